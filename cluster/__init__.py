@@ -1,0 +1,1 @@
+"""Cluster: router, coordinator, Redis-backed state (built by a later issue)."""

@@ -1,0 +1,1 @@
+"""Frontends, CLI and tools."""

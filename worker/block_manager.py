@@ -1,0 +1,295 @@
+"""Per-sequence KV memory: block tables on top of a block pool (paged) or one
+contiguous reservation per sequence (the naive baseline), behind one interface.
+
+Contract (both managers):
+- `allocate_slots(seq, n, computed_blocks)` makes room for n more tokens of
+  `seq` after its computed ones, or returns False and changes nothing.
+- `free(seq)` releases every block of `seq`; calling it twice is harmless.
+- `fork(parent, child)` gives `child` the parent's KV; returns False if it cannot.
+- `take_copies()` returns the (src, dst) block copies that must run before the
+  next forward (copy-on-write), and forgets them.
+- A block table is valid only until the next call that changes it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from folio.worker.block_pool import BlockPool
+from folio.worker.hashing import DEFAULT_HASH_SEED, hash_block
+from folio.worker.sequence import Sequence
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager(Protocol):
+    block_size: int
+    num_blocks: int
+
+    def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]: ...
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ...,
+                       reserve: int = 0) -> bool: ...
+    def free(self, seq: Sequence) -> None: ...
+    def fork(self, parent: Sequence, child: Sequence) -> bool: ...
+    def cache_blocks(self, seq: Sequence) -> None: ...
+    def block_table(self, seq: Sequence) -> list[int]: ...
+    def take_copies(self) -> list[tuple[int, int]]: ...
+    def max_blocks_per_seq(self, num_tokens: int) -> int: ...
+    @property
+    def num_free_blocks(self) -> int: ...
+    @property
+    def usage(self) -> float: ...
+    def slot_stats(self, seqs: list[Sequence]) -> tuple[int, int]: ...
+    def check_invariants(self, seqs: list[Sequence]) -> None: ...
+
+
+class PagedKVManager:
+    """Block tables over a shared pool, with automatic prefix caching."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hash_seed: bytes = DEFAULT_HASH_SEED) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hash_seed = hash_seed
+        self.pool = BlockPool(num_blocks)
+        self.tables: dict[int, list[int]] = {}
+        self.num_cached: dict[int, int] = {}  # seq_id -> leading blocks already registered
+        self._copies: list[tuple[int, int]] = []
+        self.prefix_queries = 0  # blocks looked up
+        self.prefix_hits = 0  # blocks found
+
+    # ---- prefix cache ------------------------------------------------------------------
+    def _ensure_hashes(self, seq: Sequence, n: int) -> None:
+        B, hashes, toks = self.block_size, seq.block_hashes, seq.token_ids
+        while len(hashes) < n:
+            j = len(hashes)
+            hashes.append(hash_block(hashes[-1] if j else None, toks[j * B : (j + 1) * B], self.hash_seed))
+
+    def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:
+        """Cached blocks holding a prefix of `seq` (no reference taken yet) and the tokens they cover.
+
+        At least the last token is always left to compute: its logits are needed.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        B = self.block_size
+        max_blocks = (seq.num_tokens - 1) // B
+        self._ensure_hashes(seq, max_blocks)
+        hits: list[int] = []
+        for j in range(max_blocks):
+            b = self.pool.lookup(seq.block_hashes[j], tuple(seq.token_ids[j * B : (j + 1) * B]))
+            if b is None:
+                break
+            hits.append(b)
+        self.prefix_queries += max_blocks
+        self.prefix_hits += len(hits)
+        return hits, len(hits) * B
+
+    def cache_blocks(self, seq: Sequence) -> None:
+        """Register the blocks of `seq` that are full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.tables.get(seq.seq_id)
+        if table is None:
+            return
+        B = self.block_size
+        full = seq.num_computed_tokens // B
+        start = self.num_cached.get(seq.seq_id, 0)
+        if full <= start:
+            return
+        self._ensure_hashes(seq, full)
+        for j in range(start, full):
+            self.pool.cache(table[j], seq.block_hashes[j], tuple(seq.token_ids[j * B : (j + 1) * B]))
+        self.num_cached[seq.seq_id] = full
+
+    # ---- allocation --------------------------------------------------------------------
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = (),
+                       reserve: int = 0) -> bool:
+        """Room for `num_new_tokens` after the computed ones; `reserve` blocks must stay free."""
+        B, pool = self.block_size, self.pool
+        table = self.tables.get(seq.seq_id)
+        if table is None:
+            table = []
+        num_computed = len(computed_blocks) * B if computed_blocks else seq.num_computed_tokens
+        need = cdiv(num_computed + num_new_tokens, B) - len(table) - len(computed_blocks)
+        # Writing into a partial block that a fork shares: copy it first.
+        j = num_computed // B
+        cow = num_new_tokens > 0 and j < len(table) and pool.ref_cnt[table[j]] > 1
+        revived = sum(1 for b in computed_blocks if pool.ref_cnt[b] == 0)  # leave the free queue
+        if max(need, 0) + cow + reserve > pool.num_free - revived:
+            return False
+        if computed_blocks:
+            pool.touch(computed_blocks)
+            table.extend(computed_blocks)
+            self.num_cached[seq.seq_id] = len(computed_blocks)
+        if cow:
+            new = pool.allocate(1)[0]
+            self._copies.append((table[j], new))
+            pool.free([table[j]])
+            table[j] = new
+        if need > 0:
+            table.extend(pool.allocate(need))
+        self.tables[seq.seq_id] = table
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        table = self.tables.pop(seq.seq_id, None)
+        self.num_cached.pop(seq.seq_id, None)
+        if table:
+            self.pool.free(reversed(table))  # tail first: a request's last blocks are evicted first
+
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        table = self.tables[parent.seq_id]
+        self.pool.touch(table)
+        self.tables[child.seq_id] = list(table)
+        self.num_cached[child.seq_id] = self.num_cached.get(parent.seq_id, 0)
+        child.block_hashes = list(parent.block_hashes)
+        return True
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        return self.tables[seq.seq_id]
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        out, self._copies = self._copies, []
+        return out
+
+    def max_blocks_per_seq(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    # ---- figures -----------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free / self.num_blocks
+
+    def slot_stats(self, seqs: list[Sequence]) -> tuple[int, int]:
+        """(slots holding a computed token, slots in blocks owned by live sequences), shared blocks once."""
+        B = self.block_size
+        filled: dict[int, int] = {}
+        for s in seqs:
+            table = self.tables.get(s.seq_id)
+            if not table:
+                continue
+            n = s.num_computed_tokens
+            for j, b in enumerate(table):
+                f = min(B, max(0, n - j * B))
+                if f > filled.get(b, -1):
+                    filled[b] = f
+        return sum(filled.values()), len(filled) * B
+
+    def check_invariants(self, seqs: list[Sequence]) -> None:
+        live = {s.seq_id for s in seqs}
+        assert set(self.tables) <= live, f"tables for dead sequences: {set(self.tables) - live}"
+        refs = [0] * self.num_blocks
+        for sid, table in self.tables.items():
+            assert len(set(table)) == len(table), f"sequence {sid} holds a block twice"
+            for b in table:
+                refs[b] += 1
+        self.pool.check_invariants(refs)
+        for s in seqs:
+            if s.seq_id in self.tables:
+                assert len(self.tables[s.seq_id]) * self.block_size >= s.num_computed_tokens
+
+
+class ContiguousKVManager:
+    """The naive baseline: each sequence reserves `max_model_len` slots, contiguous, first fit.
+
+    The address space is the same block-granular slot range as the paged pool,
+    so the same kernels read it; a reservation is simply a run of consecutive
+    blocks, and its block table is that run.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.reserve_blocks = cdiv(max_model_len, block_size)
+        self.regions: dict[int, list[int]] = {}  # seq_id -> its block run
+        self.gaps: list[tuple[int, int]] = [(0, num_blocks)]  # sorted (start, length)
+        self._copies: list[tuple[int, int]] = []
+
+    def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:
+        return [], 0
+
+    def cache_blocks(self, seq: Sequence) -> None:
+        pass
+
+    def _reserve(self) -> list[int] | None:
+        n = self.reserve_blocks
+        for i, (start, length) in enumerate(self.gaps):
+            if length >= n:
+                if length == n:
+                    del self.gaps[i]
+                else:
+                    self.gaps[i] = (start + n, length - n)
+                return list(range(start, start + n))
+        return None
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = (),
+                       reserve: int = 0) -> bool:
+        if seq.seq_id in self.regions:
+            return True
+        region = self._reserve()
+        if region is None:
+            return False
+        self.regions[seq.seq_id] = region
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        region = self.regions.pop(seq.seq_id, None)
+        if region is None:
+            return
+        self.gaps.append((region[0], len(region)))
+        self.gaps.sort()
+        merged: list[tuple[int, int]] = []
+        for start, length in self.gaps:
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+            else:
+                merged.append((start, length))
+        self.gaps = merged
+
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        region = self._reserve()
+        if region is None:
+            return False
+        self.regions[child.seq_id] = region
+        used = cdiv(parent.num_computed_tokens, self.block_size)
+        src = self.regions[parent.seq_id]
+        self._copies.extend(zip(src[:used], region[:used]))
+        return True
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        return self.regions[seq.seq_id]
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        out, self._copies = self._copies, []
+        return out
+
+    def max_blocks_per_seq(self, num_tokens: int) -> int:
+        return self.reserve_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return sum(length for _, length in self.gaps)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def slot_stats(self, seqs: list[Sequence]) -> tuple[int, int]:
+        used = sum(s.num_computed_tokens for s in seqs if s.seq_id in self.regions)
+        return used, len(self.regions) * self.reserve_blocks * self.block_size
+
+    def check_invariants(self, seqs: list[Sequence]) -> None:
+        live = {s.seq_id for s in seqs}
+        assert set(self.regions) <= live, "regions for dead sequences"
+        owned = [b for r in self.regions.values() for b in r]
+        gap_blocks = [b for start, length in self.gaps for b in range(start, start + length)]
+        assert len(set(owned)) == len(owned), "overlapping reservations"
+        assert sorted(owned + gap_blocks) == list(range(self.num_blocks)), "blocks lost or doubled"

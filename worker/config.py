@@ -1,0 +1,56 @@
+"""Engine configuration: one dataclass whose __post_init__ checks and derives fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from folio.worker.errors import ConfigError
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class EngineConfig:
+    model: str  # local Hugging Face checkpoint directory
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0  # KV budget when num_kv_blocks is None
+    max_num_seqs: int = 256  # sequences running at once
+    max_num_batched_tokens: int | None = None  # token budget per step (None: max(2048, max_model_len))
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    dtype: str = "float32"
+    device: str = "cpu"
+    kv_manager: str = "paged"  # "paged" | "contiguous"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "auto"  # "auto" | "recompute" | "swap" (swap: later issue)
+    swap_space_gb: float = 4.0  # CPU swap space (used once swapping exists)
+    watermark: float = 0.01  # fraction of blocks kept free when admitting (anti-thrash)
+    seed: int = 0  # seed for requests that carry none
+    tokenizer: str | None = None  # defaults to `model`
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_manager not in ("paged", "contiguous"):
+            raise ConfigError(f"kv_manager must be 'paged' or 'contiguous', got {self.kv_manager!r}")
+        if self.preemption_mode not in ("auto", "recompute", "swap"):
+            raise ConfigError(f"preemption_mode must be auto|recompute|swap, got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap":
+            raise ConfigError("preemption_mode='swap' is not available yet: use 'recompute' or 'auto'")
+        if self.max_num_seqs < 1:
+            raise ConfigError("max_num_seqs must be >= 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError("num_kv_blocks must be >= 1")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ConfigError("watermark must be in [0, 1)")
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]

@@ -1,0 +1,53 @@
+"""Incremental detokenisation and stop-string detection, one sequence at a time."""
+
+from __future__ import annotations
+
+from tokenizers.decoders import DecodeStream
+
+from folio.worker.sequence import Sequence
+
+_PROMPT_CONTEXT = 4  # prompt tokens fed to the stream so the first output token decodes in context
+
+
+class Detokenizer:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.backend = tokenizer.backend_tokenizer  # a `tokenizers.Tokenizer`
+
+    def _stream(self, seq: Sequence) -> DecodeStream:
+        if seq._decoder is None:
+            skip = seq.params.skip_special_tokens
+            ctx = seq.token_ids[max(0, seq.num_prompt_tokens - _PROMPT_CONTEXT) : seq.num_prompt_tokens]
+            seq._decoder = DecodeStream(ids=ctx, skip_special_tokens=skip)
+            # replay output tokens produced before this stream existed (e.g. a forked child)
+            for t in seq.token_ids[seq.num_prompt_tokens : seq.num_tokens - 1]:
+                seq.output_text += self._step(seq._decoder, t)
+        return seq._decoder
+
+    def _step(self, stream: DecodeStream, token_id: int) -> str:
+        try:
+            return stream.step(self.backend, token_id) or ""
+        except Exception:  # noqa: BLE001 - an id the tokenizer cannot decode adds no text
+            return ""
+
+    def append_token(self, seq: Sequence, token_id: int) -> str | None:
+        """Add the text of `token_id` (already appended to seq.token_ids).
+
+        Returns the stop string that matched, if any; the text is then cut before it
+        (or after it with include_stop_str_in_output).
+        """
+        stream = self._stream(seq)
+        new = self._step(stream, token_id)
+        if not new:
+            return None
+        prev_len = len(seq.output_text)
+        seq.output_text += new
+        for stop in seq.params.stop:
+            # only look where the new text could complete a match
+            start = max(0, prev_len - len(stop) + 1)
+            pos = seq.output_text.find(stop, start)
+            if pos != -1:
+                end = pos + len(stop) if seq.params.include_stop_str_in_output else pos
+                seq.output_text = seq.output_text[:end]
+                return stop
+        return None

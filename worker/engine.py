@@ -1,0 +1,309 @@
+"""LLMEngine: add_request / step / abort on one device. Later issues wrap it in a Ray actor.
+
+    step():  schedule -> copy-on-write -> run the model -> sample -> postprocess
+
+Not thread-safe: one caller drives it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from folio.worker.block_manager import ContiguousKVManager, KVCacheManager, PagedKVManager
+from folio.worker.config import EngineConfig
+from folio.worker.detokenizer import Detokenizer
+from folio.worker.errors import ConfigError, InvalidRequestError
+from folio.worker.model_runner import ModelRunner
+from folio.worker.models.config import ModelConfig
+from folio.worker.models.loader import load_model
+from folio.worker.sampler import sample
+from folio.worker.sampling_params import SamplingParams
+from folio.worker.scheduler import Scheduler, SchedulerOutput
+from folio.worker.sequence import CompletionOutput, RequestOutput, Sequence, SequenceGroup
+
+OUTPUT_KINDS = ("final", "delta")
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_kv_blocks: int
+    kv_usage: float
+    num_preemptions: int
+    num_recomputed_tokens: int
+    prefix_cache_queries: int  # blocks looked up
+    prefix_cache_hits: int  # blocks found
+    num_steps: int
+    num_generated_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model)
+        mc = self.model_config
+        self.max_model_len = self._resolve_max_model_len(config, mc)
+        self.device = torch.device(config.device)
+        dtype = config.torch_dtype
+        self.num_kv_blocks = config.num_kv_blocks or self._blocks_for_memory(config, mc)
+        self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, self.max_model_len)
+        if not config.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+
+        if config.kv_manager == "paged":
+            self.kv: KVCacheManager = PagedKVManager(self.num_kv_blocks, config.block_size,
+                                                     config.enable_prefix_caching)
+        else:
+            self.kv = ContiguousKVManager(self.num_kv_blocks, config.block_size, self.max_model_len)
+            if self.kv.reserve_blocks > self.num_kv_blocks:
+                raise ConfigError(f"the contiguous baseline reserves {self.kv.reserve_blocks} blocks per "
+                                  f"request but the cache has {self.num_kv_blocks}")
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens,
+                                   config.enable_chunked_prefill,
+                                   watermark_blocks=int(config.watermark * self.num_kv_blocks))
+        self.model = load_model(config.model, dtype, self.device, self.max_model_len, mc)
+        self.runner = ModelRunner(self.model, self.num_kv_blocks, config.block_size, dtype, self.device)
+        self.tokenizer = _load_tokenizer(config.tokenizer)
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self.eos_token_ids = set(mc.eos_token_ids) | _generation_eos(config.model)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.groups: dict[str, SequenceGroup] = {}
+        self._output_kind: dict[str, str] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+
+    # ---- setup helpers -----------------------------------------------------------------
+    @staticmethod
+    def _resolve_max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
+        limit = mc.max_position_embeddings
+        if mc.sliding_window is not None:
+            # Within the window, sliding-window attention equals full attention.
+            limit = min(limit, mc.sliding_window)
+        if config.max_model_len is None:
+            return limit
+        if not 1 < config.max_model_len <= limit:
+            raise ConfigError(f"max_model_len {config.max_model_len} must be in (1, {limit}] for this model "
+                              "(max_position_embeddings / sliding_window)")
+        return config.max_model_len
+
+    @staticmethod
+    def _blocks_for_memory(config: EngineConfig, mc: ModelConfig) -> int:
+        per_block = mc.kv_bytes_per_token(config.torch_dtype.itemsize) * config.block_size
+        n = int(config.kv_cache_memory_gb * (1 << 30)) // per_block
+        if n < 1:
+            raise ConfigError("kv_cache_memory_gb is too small for one KV block")
+        return n
+
+    # ---- requests ----------------------------------------------------------------------
+    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None, output_kind: str = "final") -> str:
+        """Validate and queue a request. Raises InvalidRequestError and changes nothing on bad input."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("params must be a SamplingParams")
+        if output_kind not in OUTPUT_KINDS:
+            raise InvalidRequestError(f"output_kind must be one of {OUTPUT_KINDS}")
+        if not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.groups:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        n_prompt = len(token_ids)
+        if n_prompt >= self.max_model_len:
+            raise InvalidRequestError(f"the prompt has {n_prompt} tokens; max_model_len is {self.max_model_len}, "
+                                      "which leaves no room for a generated token")
+        max_len = min(n_prompt + params.max_tokens, self.max_model_len)
+        need = self.kv.max_blocks_per_seq(max_len)
+        if need > self.num_kv_blocks:
+            raise InvalidRequestError(f"the request needs up to {need} KV blocks ({max_len} tokens) but the "
+                                      f"cache holds {self.num_kv_blocks}: it can never fit")
+        group = SequenceGroup(request_id, token_ids, params, arrival_time or time.monotonic(), priority, text)
+        self.groups[request_id] = group
+        self._output_kind[request_id] = output_kind
+        self.scheduler.add(group)
+        return request_id
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty")
+            ids = self.tokenizer.encode(prompt)
+            if not ids:
+                raise InvalidRequestError("the prompt tokenizes to no tokens")
+            return prompt, ids
+        if isinstance(prompt, (list, tuple)):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty")
+            vocab = self.model_config.vocab_size
+            if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in prompt):
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
+            return None, list(prompt)
+        raise InvalidRequestError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks now. False if it is unknown or already done."""
+        group = self.groups.pop(request_id, None)
+        self._output_kind.pop(request_id, None)
+        if group is None:
+            return False
+        for seq in group.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+        group.forked = True
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # ---- the step ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler could not run any waiting request (engine stalled)")
+            return []
+        now = time.monotonic()
+        for seq, _ in sched.scheduled:
+            if seq.group.metrics.first_scheduled_time is None:
+                seq.group.metrics.first_scheduled_time = now
+        self.runner.copy_blocks(sched.block_copies)
+        logits, to_sample = self.runner.execute(sched.scheduled, self.kv)
+        self.num_steps += 1
+        return self._postprocess(sched, logits, to_sample)
+
+    def _postprocess(self, sched: SchedulerOutput, logits: torch.Tensor | None,
+                     to_sample: list[Sequence]) -> list[RequestOutput]:
+        for seq, n in sched.scheduled:
+            seq.num_computed_tokens += n
+            self.kv.cache_blocks(seq)
+        if logits is None:
+            return []
+        # A request with n > 1 forks its completions when its prompt's prefill completes.
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        for r, seq in enumerate(to_sample):
+            rows.append(r)
+            seqs.append(seq)
+            group = seq.group
+            if not group.forked:
+                group.forked = True
+                for i in range(1, group.params.n):
+                    child = Sequence(group, i, seq.token_ids)
+                    child.generator = group.make_generator(i)
+                    child.num_computed_tokens = seq.num_computed_tokens
+                    group.seqs.append(child)
+                    if self.kv.fork(seq, child):
+                        self.scheduler.add_running(child)
+                        rows.append(r)
+                        seqs.append(child)
+                    else:  # no room to share: it waits and recomputes, sampling then
+                        self.scheduler.requeue(child)
+        if len(rows) != len(to_sample):
+            logits = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
+        result = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        now = time.monotonic()
+        touched: dict[str, SequenceGroup] = {}
+        for seq, token, lp in zip(seqs, result.token_ids, result.logprobs):
+            self._append_token(seq, token, lp)
+            group = seq.group
+            if group.metrics.first_token_time is None:
+                group.metrics.first_token_time = now
+            touched[group.request_id] = group
+        self.num_generated_tokens += len(seqs)
+        return self._make_outputs(touched.values(), now)
+
+    def _append_token(self, seq: Sequence, token: int, logprob: dict[int, float] | None) -> None:
+        p = seq.params
+        seq.token_ids.append(token)
+        if seq.logprobs is not None:
+            seq.logprobs.append(logprob)
+        reason = stop = None
+        if p.detokenize:
+            stop = self.detokenizer.append_token(seq, token)
+        if not p.ignore_eos and token in self.eos_token_ids:
+            reason = "stop"
+        elif token in p.stop_token_ids:
+            reason, seq.stop_reason = "stop", token
+        elif stop is not None:
+            reason, seq.stop_reason = "stop", stop
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            seq.finish_reason = reason
+            self.scheduler.finish(seq, reason)
+
+    def _make_outputs(self, groups, now: float) -> list[RequestOutput]:
+        outs = []
+        for group in groups:
+            finished = group.is_finished
+            kind = self._output_kind.get(group.request_id, "final")
+            if kind == "final" and not finished:
+                continue
+            completions = []
+            for seq in group.seqs:
+                if kind == "delta":
+                    ids = seq.output_token_ids[seq._sent_tokens :]
+                    text = seq.output_text[seq._sent_text_len :]
+                    lps = seq.logprobs[seq._sent_tokens :] if seq.logprobs is not None else None
+                    seq._sent_tokens += len(ids)
+                    seq._sent_text_len = len(seq.output_text)
+                else:
+                    ids, text, lps = seq.output_token_ids, seq.output_text, seq.logprobs
+                completions.append(CompletionOutput(seq.index, ids, text, seq.finish_reason, seq.stop_reason, lps))
+            if finished:
+                group.metrics.finished_time = now
+                self.groups.pop(group.request_id, None)
+                self._output_kind.pop(group.request_id, None)
+            outs.append(RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
+                                      finished, group.metrics))
+        return outs
+
+    # ---- figures -----------------------------------------------------------------------
+    def live_sequences(self) -> list[Sequence]:
+        return [s for g in self.groups.values() for s in g.seqs if not s.is_finished]
+
+    def check_invariants(self) -> None:
+        """Every block free or owned by a live sequence; ref counts equal table references."""
+        self.kv.check_invariants(self.live_sequences())
+
+    def stats(self) -> EngineStats:
+        kv = self.kv
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_free_blocks=kv.num_free_blocks,
+            num_kv_blocks=self.num_kv_blocks,
+            kv_usage=kv.usage,
+            num_preemptions=self.scheduler.stats.num_preemptions,
+            num_recomputed_tokens=self.scheduler.stats.num_recomputed_tokens,
+            prefix_cache_queries=getattr(kv, "prefix_queries", 0),
+            prefix_cache_hits=getattr(kv, "prefix_hits", 0),
+            num_steps=self.num_steps,
+            num_generated_tokens=self.num_generated_tokens,
+        )
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer  # heavy import, only when an engine is built
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _generation_eos(path: str) -> set[int]:
+    f = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(f):
+        return set()
+    with open(f) as fh:
+        eos = json.load(fh).get("eos_token_id")
+    return {eos} if isinstance(eos, int) else set(eos or [])

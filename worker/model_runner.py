@@ -1,0 +1,90 @@
+"""Builds the batch tensors for one step and runs the model on them.
+
+For each scheduled (sequence, n): its tokens [num_computed, num_computed + n)
+are packed into one flat batch:
+
+    input_ids / positions / slot_mapping   [num_tokens]
+    query_start_loc                        [num_seqs + 1]   cumulative n
+    seq_lens                               [num_seqs]       num_computed + n
+    block_tables                           [num_seqs, max_blocks] (zero-padded)
+
+A sequence whose tokens are then all computed is sampled from its last row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from folio import kernels
+from folio.worker.block_manager import KVCacheManager, cdiv
+from folio.worker.models.llama import AttentionMetadata, LlamaModel
+from folio.worker.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        c = model.config
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        # One allocation for the whole cache: [layers, k|v, blocks, block_size, kv_heads, head_dim]
+        self.kv_cache = torch.zeros(c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim,
+                                    dtype=dtype, device=device)
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(c.num_layers)]
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        if pairs:
+            mapping = torch.tensor(pairs, dtype=torch.long, device=self.device)
+            kernels.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
+
+    def prepare(self, scheduled: list[tuple[Sequence, int]], kv: KVCacheManager):
+        B = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        for seq, n in scheduled:
+            start = seq.num_computed_tokens
+            end = start + n
+            table = kv.block_table(seq)
+            if n == 1:
+                ids.append(seq.token_ids[start])
+                pos.append(start)
+                slots.append(table[start // B] * B + start % B)
+            else:
+                ids.extend(seq.token_ids[start:end])
+                pos.extend(range(start, end))
+                slots.extend([table[p // B] * B + p % B for p in range(start, end)])
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(end)
+            tables.append(table[: cdiv(end, B)])
+            if end == seq.num_tokens:
+                sample_rows.append(qsl[-1] - 1)
+                sample_seqs.append(seq)
+        width = max(len(t) for t in tables)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        return input_ids, positions, meta, sample_rows, sample_seqs
+
+    def execute(self, scheduled: list[tuple[Sequence, int]], kv: KVCacheManager
+                ) -> tuple[torch.Tensor | None, list[Sequence]]:
+        """Run one step; returns logits [num sampled, vocab] (float32) and the sequences they belong to."""
+        input_ids, positions, meta, rows, seqs = self.prepare(scheduled, kv)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
+        if not rows:
+            return None, seqs
+        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, idx))
+        return logits.float(), seqs

@@ -1,0 +1,89 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over paged KV. Nothing but the model.
+
+Weights are fused at load time (loader.py): qkv = [q; k; v], gate_up = [gate; up].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from folio import kernels
+from folio.worker.models.config import ModelConfig
+from folio.worker.models.rope import RotaryEmbedding
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor | None
+    o_w: torch.Tensor
+    o_b: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up_w: torch.Tensor
+    gate_up_b: torch.Tensor | None
+    down_w: torch.Tensor
+    down_b: torch.Tensor | None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As transformers computes it: statistics in float32, scale in the input dtype."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
+                 norm: torch.Tensor, lm_head: torch.Tensor, max_len: int) -> None:
+        self.config = config
+        self.embed = embed
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head
+        self.rope = RotaryEmbedding(config.head_dim, config.rope, config.max_position_embeddings,
+                                    max_len, embed.dtype, embed.device)
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim ** -0.5
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden] (after the last norm)."""
+        c = self.config
+        eps = c.rms_norm_eps
+        h = F.embedding(input_ids, self.embed)
+        T = h.shape[0]
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = rms_norm(h, layer.input_norm, eps)
+            qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(T, c.num_heads, c.head_dim)
+            k = k.view(T, c.num_kv_heads, c.head_dim)
+            v = v.view(T, c.num_kv_heads, c.head_dim)
+            q, k = self.rope.apply(positions, q, k)
+            kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            attn = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                           meta.query_start_loc, self.scale)
+            h = h + F.linear(attn.reshape(T, self.q_size), layer.o_w, layer.o_b)
+            x = rms_norm(h, layer.post_norm, eps)
+            gate, up = F.linear(x, layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.down_w, layer.down_b)
+        return rms_norm(h, self.norm, eps)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head)

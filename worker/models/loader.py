@@ -1,0 +1,94 @@
+"""Load a local Hugging Face checkpoint (config.json + safetensors) into a Folio model.
+
+Checkpoint quirks (sharding, tied embeddings, fused projections) live here, not in forward.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import safe_open
+
+from folio.worker.errors import ModelLoadError
+from folio.worker.models.config import ModelConfig
+from folio.worker.models.llama import LayerWeights, LlamaModel
+
+
+def _weight_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(path, n) for n in names]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise ModelLoadError(f"weight files listed in the index are missing: {missing}")
+        return files
+    files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weight files in {path!r}")
+    return files
+
+
+def load_state_dict(path: str) -> dict[str, torch.Tensor]:
+    sd: dict[str, torch.Tensor] = {}
+    for f in _weight_files(path):
+        try:
+            with safe_open(f, framework="pt", device="cpu") as st:
+                for k in st.keys():
+                    sd[k] = st.get_tensor(k)
+        except Exception as e:  # a truncated or foreign file
+            raise ModelLoadError(f"cannot read weight file {f!r}: {e}") from e
+    return sd
+
+
+def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int,
+               config: ModelConfig | None = None) -> LlamaModel:
+    config = config or ModelConfig.from_dir(path)
+    sd = load_state_dict(path)
+    used: set[str] = set()
+
+    def take(name: str, shape: tuple[int, ...] | None = None, optional: bool = False) -> torch.Tensor | None:
+        if name not in sd:
+            if optional:
+                return None
+            raise ModelLoadError(f"weight {name!r} is missing from the checkpoint in {path!r}")
+        t = sd[name]
+        if shape is not None and tuple(t.shape) != shape:
+            raise ModelLoadError(f"weight {name!r} has shape {tuple(t.shape)}, expected {shape}")
+        used.add(name)
+        return t.to(device=device, dtype=dtype).contiguous()
+
+    def cat(*ts: torch.Tensor | None) -> torch.Tensor | None:
+        return None if ts[0] is None else torch.cat(ts, dim=0).contiguous()
+
+    c = config
+    H, D, I = c.hidden_size, c.head_dim, c.intermediate_size
+    q_out, kv_out = c.num_heads * D, c.num_kv_heads * D
+    embed = take("model.embed_tokens.weight", (c.vocab_size, H))
+    layers = []
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        layers.append(LayerWeights(
+            input_norm=take(p + "input_layernorm.weight", (H,)),
+            qkv_w=cat(take(a + "q_proj.weight", (q_out, H)), take(a + "k_proj.weight", (kv_out, H)),
+                      take(a + "v_proj.weight", (kv_out, H))),
+            qkv_b=cat(take(a + "q_proj.bias", (q_out,)), take(a + "k_proj.bias", (kv_out,)),
+                      take(a + "v_proj.bias", (kv_out,))) if c.qkv_bias else None,
+            o_w=take(a + "o_proj.weight", (H, q_out)),
+            o_b=take(a + "o_proj.bias", (H,)) if c.o_bias else None,
+            post_norm=take(p + "post_attention_layernorm.weight", (H,)),
+            gate_up_w=cat(take(m + "gate_proj.weight", (I, H)), take(m + "up_proj.weight", (I, H))),
+            gate_up_b=cat(take(m + "gate_proj.bias", (I,)), take(m + "up_proj.bias", (I,))) if c.mlp_bias else None,
+            down_w=take(m + "down_proj.weight", (H, I)),
+            down_b=take(m + "down_proj.bias", (H,)) if c.mlp_bias else None,
+        ))
+    norm = take("model.norm.weight", (H,))
+    if c.tie_word_embeddings:
+        lm_head = embed
+    else:
+        lm_head = take("lm_head.weight", (c.vocab_size, H))
+    return LlamaModel(c, embed, layers, norm, lm_head, max_len)
