@@ -37,6 +37,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--kv-manager", choices=["paged", "contiguous"], default="paged")
+    p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
 
 
@@ -69,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
             llm = LLM(args.model, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                       dtype=args.dtype, kv_manager=args.kv_manager)
             params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                    top_p=args.top_p, top_k=args.top_k, seed=args.seed, n=args.n)
+                                    top_p=args.top_p, top_k=args.top_k, seed=args.seed, n=args.n,
+                                    ignore_eos=args.ignore_eos)
             outs = llm.generate(args.prompts, params)
         except FolioError as e:
             print(f"error: {e}", file=sys.stderr)

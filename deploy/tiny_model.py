@@ -61,7 +61,7 @@ def train_tokenizer(vocab_size: int, seed: int):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(_corpus(min(3_000_000, 600 * vocab_size)), trainer=trainer)
     bos = tok.token_to_id("<s>")
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
                                                        special_tokens=[("<s>", bos)])

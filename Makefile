@@ -1,0 +1,35 @@
+# Everything installs into .venv in the checkout; nothing is taken from the shell's environment.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: venv test run bench clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# pip (not uv/poetry): torch==2.13.0 resolves to the local CPU wheel
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+# The test command (README, .ci/run).
+test: venv
+	$(PY) -m pytest -q
+
+# The main job: make the benchmark's tiny model, generate with it, measure paged vs contiguous vs HF.
+run: venv
+	$(PY) -m folio.deploy.cli make-tiny-model models/tiny-llama-8l --hidden-size 512 --num-layers 8 \
+		--num-heads 8 --num-kv-heads 4 --intermediate-size 1408 --vocab-size 8192 --seed 0
+	$(VENV)/bin/folio generate --model models/tiny-llama-8l --max-tokens 24 \
+		"def fibonacci(n):" "import numpy as np" "class Cache:"
+	$(PY) benchmarks/offline_throughput.py --model models/tiny-llama-8l --quick
+
+bench: venv
+	$(PY) benchmarks/offline_throughput.py --model models/tiny-llama-8l
+
+clean:
+	rm -rf $(VENV) models .pytest_cache

@@ -1,0 +1,66 @@
+"""Shared fixtures: tiny checkpoints made once per session, and Hugging Face references."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+from folio.deploy.tiny_model import TinySpec, make_tiny_model
+
+SPECS = {
+    # Llama with plain multi-head attention (kv heads = heads) and llama3 RoPE scaling
+    "llama": TinySpec(arch="llama", num_heads=4, num_kv_heads=4, seed=1),
+    # Qwen2: grouped-query attention 4/2, qkv bias, tied embeddings
+    "qwen2": TinySpec(arch="qwen2", num_heads=4, num_kv_heads=2, seed=2),
+    # Mistral: GQA 4/1
+    "mistral": TinySpec(arch="mistral", num_heads=4, num_kv_heads=1, seed=3),
+}
+
+# Lengths chosen to end mid-block and on block boundaries for the block sizes tested.
+PROMPTS = [
+    "def hello(world):",
+    "import os\nimport sys\n",
+    "class Foo(object):\n    def __init__(self, x):\n        self.x = x\n\n    def bar(self):\n        return",
+    "x = 1",
+    "for i in range(10):\n    print(i)\n",
+    "# Copyright 2001 Python Software Foundation.\n\"\"\"Utilities for",
+]
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    return {name: make_tiny_model(str(root / name), spec) for name, spec in SPECS.items()}
+
+
+_hf_cache: dict = {}
+
+
+def hf_greedy(model_dir: str, prompts: list[str], max_new_tokens: int) -> list[list[int]]:
+    """transformers `generate`, greedy, float32, one prompt at a time (no padding effects)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if model_dir not in _hf_cache:
+        _hf_cache[model_dir] = (AutoTokenizer.from_pretrained(model_dir),
+                                AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval())
+    tok, model = _hf_cache[model_dir]
+    out = []
+    for p in prompts:
+        key = (model_dir, p, max_new_tokens)
+        if key not in _hf_cache:
+            ids = tok(p, return_tensors="pt").input_ids
+            with torch.no_grad():
+                gen = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+            _hf_cache[key] = gen[0, ids.shape[1]:].tolist()
+        out.append(_hf_cache[key])
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    return hf_greedy
