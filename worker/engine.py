@@ -24,10 +24,22 @@ from folio.worker.models.config import ModelConfig
 from folio.worker.models.loader import load_model
 from folio.worker.sampler import sample
 from folio.worker.sampling_params import SamplingParams
-from folio.worker.scheduler import Scheduler, SchedulerOutput
+from folio.worker.scheduler import Scheduler
 from folio.worker.sequence import CompletionOutput, RequestOutput, Sequence, SequenceGroup
 
 OUTPUT_KINDS = ("final", "delta")
+
+
+@dataclass
+class StepTimings:
+    """Cumulative seconds per phase of step(): where the time goes (see benchmarks/)."""
+
+    schedule: float = 0.0  # scheduler + block manager
+    prepare: float = 0.0  # building the batch tensors
+    forward: float = 0.0  # the model, logits included
+    sample: float = 0.0  # sampler
+    postprocess: float = 0.0  # appending tokens, detokenizing, stop checks, outputs
+    steps: int = 0
 
 
 @dataclass
@@ -81,6 +93,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self.timings = StepTimings()
 
     # ---- setup helpers -----------------------------------------------------------------
     @staticmethod
@@ -168,7 +181,9 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        self.timings.schedule += time.perf_counter() - t0
         if sched.is_empty:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler could not run any waiting request (engine stalled)")
@@ -177,19 +192,34 @@ class LLMEngine:
         for seq, _ in sched.scheduled:
             if seq.group.metrics.first_scheduled_time is None:
                 seq.group.metrics.first_scheduled_time = now
+        t1 = time.perf_counter()
         self.runner.copy_blocks(sched.block_copies)
-        logits, to_sample = self.runner.execute(sched.scheduled, self.kv)
+        inputs = self.runner.prepare(sched.scheduled, self.kv)
+        t2 = time.perf_counter()
+        logits = self.runner.execute(inputs)
+        t3 = time.perf_counter()
         self.num_steps += 1
-        return self._postprocess(sched, logits, to_sample)
-
-    def _postprocess(self, sched: SchedulerOutput, logits: torch.Tensor | None,
-                     to_sample: list[Sequence]) -> list[RequestOutput]:
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
             self.kv.cache_blocks(seq)
-        if logits is None:
-            return []
-        # A request with n > 1 forks its completions when its prompt's prefill completes.
+        outs: list[RequestOutput] = []
+        t4 = t3
+        if logits is not None:
+            seqs, logits = self._fork(inputs.sample_seqs, logits)
+            result = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            t4 = time.perf_counter()
+            outs = self._apply_samples(seqs, result)
+        tm = self.timings
+        tm.prepare += t2 - t1
+        tm.forward += t3 - t2
+        tm.sample += t4 - t3
+        tm.postprocess += time.perf_counter() - t4
+        tm.steps += 1
+        return outs
+
+    def _fork(self, to_sample: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+        """A request with n > 1 forks its completions when its prompt's prefill completes;
+        the children sample from the parent's logits row."""
         rows: list[int] = []
         seqs: list[Sequence] = []
         for r, seq in enumerate(to_sample):
@@ -211,7 +241,9 @@ class LLMEngine:
                         self.scheduler.requeue(child)
         if len(rows) != len(to_sample):
             logits = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
-        result = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        return seqs, logits
+
+    def _apply_samples(self, seqs: list[Sequence], result) -> list[RequestOutput]:
         now = time.monotonic()
         touched: dict[str, SequenceGroup] = {}
         for seq, token, lp in zip(seqs, result.token_ids, result.logprobs):

@@ -13,12 +13,23 @@ A sequence whose tokens are then all computed is sampled from its last row.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from folio import kernels
 from folio.worker.block_manager import KVCacheManager, cdiv
 from folio.worker.models.llama import AttentionMetadata, LlamaModel
 from folio.worker.sequence import Sequence
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    sample_rows: list[int]  # rows of the hidden states to sample from
+    sample_seqs: list[Sequence]  # the sequence of each of those rows
 
 
 class ModelRunner:
@@ -38,7 +49,7 @@ class ModelRunner:
             mapping = torch.tensor(pairs, dtype=torch.long, device=self.device)
             kernels.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
 
-    def prepare(self, scheduled: list[tuple[Sequence, int]], kv: KVCacheManager):
+    def prepare(self, scheduled: list[tuple[Sequence, int]], kv: KVCacheManager) -> ModelInputs:
         B = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -74,17 +85,13 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
         )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        return input_ids, positions, meta, sample_rows, sample_seqs
+        return ModelInputs(torch.tensor(ids, dtype=torch.long, device=dev),
+                           torch.tensor(pos, dtype=torch.long, device=dev), meta, sample_rows, sample_seqs)
 
-    def execute(self, scheduled: list[tuple[Sequence, int]], kv: KVCacheManager
-                ) -> tuple[torch.Tensor | None, list[Sequence]]:
-        """Run one step; returns logits [num sampled, vocab] (float32) and the sequences they belong to."""
-        input_ids, positions, meta, rows, seqs = self.prepare(scheduled, kv)
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_caches)
-        if not rows:
-            return None, seqs
-        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, idx))
-        return logits.float(), seqs
+    def execute(self, inputs: ModelInputs) -> torch.Tensor | None:
+        """Run the model; logits [len(sample_rows), vocab] in float32, or None if nothing samples."""
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+        if not inputs.sample_rows:
+            return None
+        idx = torch.tensor(inputs.sample_rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, idx)).float()
