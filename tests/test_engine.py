@@ -216,3 +216,22 @@ def test_priority_is_served_first(model_dirs):
     while eng.has_unfinished_requests():
         order += [o.request_id for o in eng.step() if o.finished]
     assert order == ["high", "mid", "low"]
+
+
+def test_n_larger_than_max_num_seqs_is_rejected(model_dirs):
+    llm = LLM(model_dirs["qwen2"], block_size=4, num_kv_blocks=64, max_num_seqs=2)
+    with pytest.raises(InvalidRequestError, match="max_num_seqs"):
+        llm.generate(["hi"], SamplingParams(n=3, max_tokens=2))
+    assert_clean(llm.engine)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_and_mostly_agrees(model_dirs, hf_reference, dtype):
+    """Low-precision weights and KV: the engine runs; greedy tokens start out as in float32."""
+    llm = LLM(model_dirs["llama"], block_size=8, num_kv_blocks=256, dtype=dtype)
+    assert llm.engine.runner.kv_cache.dtype == getattr(__import__("torch"), dtype)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0))
+    ref = hf_reference(model_dirs["llama"], PROMPTS, 24)
+    agree = sum(o.token_ids[0] == r[0] for o, r in zip(outs, ref))
+    assert all(len(o.token_ids) == 8 for o in outs) and agree >= len(PROMPTS) - 1
+    assert_clean(llm.engine)

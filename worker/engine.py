@@ -131,6 +131,8 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if params.n > self.config.max_num_seqs:
+            raise InvalidRequestError(f"n={params.n} completions exceed max_num_seqs={self.config.max_num_seqs}")
         text, token_ids = self._tokenize(prompt)
         n_prompt = len(token_ids)
         if n_prompt >= self.max_model_len:
@@ -141,7 +143,8 @@ class LLMEngine:
         if need > self.num_kv_blocks:
             raise InvalidRequestError(f"the request needs up to {need} KV blocks ({max_len} tokens) but the "
                                       f"cache holds {self.num_kv_blocks}: it can never fit")
-        group = SequenceGroup(request_id, token_ids, params, arrival_time or time.monotonic(), priority, text)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        group = SequenceGroup(request_id, token_ids, params, arrival, priority, text)
         self.groups[request_id] = group
         self._output_kind[request_id] = output_kind
         self.scheduler.add(group)
