@@ -85,6 +85,8 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
         )
+        meta.plan = kernels.plan_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc, B,
+                                           kernels.kv_bytes_per_token(self.kv_caches[0][0]))
         return ModelInputs(torch.tensor(ids, dtype=torch.long, device=dev),
                            torch.tensor(pos, dtype=torch.long, device=dev), meta, sample_rows, sample_seqs)
 

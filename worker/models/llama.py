@@ -21,6 +21,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor  # [num_seqs] int32
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    plan: kernels.AttentionPlan | None = None  # derived layout shared by every layer (torch path)
 
 
 @dataclass
@@ -77,7 +78,7 @@ class LlamaModel:
             q, k = self.rope.apply(positions, q, k)
             kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                           meta.query_start_loc, self.scale)
+                                           meta.query_start_loc, self.scale, plan=meta.plan)
             h = h + F.linear(attn.reshape(T, self.q_size), layer.o_w, layer.o_b)
             x = rms_norm(h, layer.post_norm, eps)
             gate, up = F.linear(x, layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
