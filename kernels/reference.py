@@ -61,7 +61,8 @@ class PrefillSeq:
     end: int
     blocks: torch.Tensor  # [num_blocks] int64
     ctx: int  # context length including the new tokens
-    mask: torch.Tensor  # [end - start, ctx] bool: causal, offset by the cached context
+    mask: torch.Tensor | None  # [end - start, ctx] bool: causal, offset by the cached context;
+    #                            None when nothing is cached (plain causal: the kernel skips blocks)
 
 
 @dataclass
@@ -95,9 +96,12 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_sta
         q_len = qsl[s + 1] - qsl[s]
         if q_len > 1:
             ctx = lens[s]
-            q_pos = torch.arange(ctx - q_len, ctx)
+            mask = None
+            if q_len < ctx:
+                q_pos = torch.arange(ctx - q_len, ctx)
+                mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
             prefill.append(PrefillSeq(qsl[s], qsl[s + 1], tables[s, : (ctx + block_size - 1) // block_size], ctx,
-                                      torch.arange(ctx)[None, :] <= q_pos[:, None]))
+                                      mask))
     return AttentionPlan(chunks, prefill)
 
 
@@ -155,7 +159,7 @@ def paged_attention(
         v = v_cache.index_select(0, p.blocks).view(1, nb * block_size, num_kv_heads, head_dim)[:, : p.ctx]
         qs = q[p.start : p.end].transpose(0, 1)[None]  # [1, H, q_len, D]
         o = F.scaled_dot_product_attention(qs, k.transpose(1, 2), v.transpose(1, 2), attn_mask=p.mask,
-                                           scale=scale, enable_gqa=True)
+                                           is_causal=p.mask is None, scale=scale, enable_gqa=True)
         out[p.start : p.end] = o[0].transpose(0, 1)
     return out
 

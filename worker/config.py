@@ -44,6 +44,8 @@ class EngineConfig:
             raise ConfigError("preemption_mode='swap' is not available yet: use 'recompute' or 'auto'")
         if self.max_num_seqs < 1:
             raise ConfigError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ConfigError("max_num_batched_tokens must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError("num_kv_blocks must be >= 1")
         if not 0.0 <= self.watermark < 1.0:

@@ -11,8 +11,6 @@ import itertools
 import json
 import os
 import time
-from dataclasses import dataclass
-
 import torch
 
 from folio.worker.block_manager import ContiguousKVManager, KVCacheManager, PagedKVManager
@@ -22,42 +20,25 @@ from folio.worker.errors import ConfigError, InvalidRequestError
 from folio.worker.model_runner import ModelRunner
 from folio.worker.models.config import ModelConfig
 from folio.worker.models.loader import load_model
+from folio.worker.outputs import OUTPUT_KINDS, make_request_output
 from folio.worker.sampler import sample
 from folio.worker.sampling_params import SamplingParams
 from folio.worker.scheduler import Scheduler
-from folio.worker.sequence import CompletionOutput, RequestOutput, Sequence, SequenceGroup
-
-OUTPUT_KINDS = ("final", "delta")
-
-
-@dataclass
-class StepTimings:
-    """Cumulative seconds per phase of step(): where the time goes (see benchmarks/)."""
-
-    schedule: float = 0.0  # scheduler + block manager
-    prepare: float = 0.0  # building the batch tensors
-    forward: float = 0.0  # the model, logits included
-    sample: float = 0.0  # sampler
-    postprocess: float = 0.0  # appending tokens, detokenizing, stop checks, outputs
-    steps: int = 0
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_kv_blocks: int
-    kv_usage: float
-    num_preemptions: int
-    num_recomputed_tokens: int
-    prefix_cache_queries: int  # blocks looked up
-    prefix_cache_hits: int  # blocks found
-    num_steps: int
-    num_generated_tokens: int
+from folio.worker.sequence import RequestOutput, Sequence, SequenceGroup
+from folio.worker.stats import EngineStats, StepTimings
 
 
 class LLMEngine:
+    """The engine of one device.
+
+    - `add_request` validates and queues; on bad input it raises InvalidRequestError
+      and leaves the engine exactly as it was.
+    - `step` runs one iteration and returns the outputs of requests that produced
+      tokens (as their output_kind asks); a request is forgotten after its final output.
+    - `abort` frees a request's blocks at once, whatever its state.
+    - One caller drives it: it is not thread-safe.
+    """
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
@@ -281,27 +262,15 @@ class LLMEngine:
     def _make_outputs(self, groups, now: float) -> list[RequestOutput]:
         outs = []
         for group in groups:
-            finished = group.is_finished
             kind = self._output_kind.get(group.request_id, "final")
-            if kind == "final" and not finished:
+            out = make_request_output(group, kind)
+            if out is None:
                 continue
-            completions = []
-            for seq in group.seqs:
-                if kind == "delta":
-                    ids = seq.output_token_ids[seq._sent_tokens :]
-                    text = seq.output_text[seq._sent_text_len :]
-                    lps = seq.logprobs[seq._sent_tokens :] if seq.logprobs is not None else None
-                    seq._sent_tokens += len(ids)
-                    seq._sent_text_len = len(seq.output_text)
-                else:
-                    ids, text, lps = seq.output_token_ids, seq.output_text, seq.logprobs
-                completions.append(CompletionOutput(seq.index, ids, text, seq.finish_reason, seq.stop_reason, lps))
-            if finished:
+            if out.finished:
                 group.metrics.finished_time = now
                 self.groups.pop(group.request_id, None)
                 self._output_kind.pop(group.request_id, None)
-            outs.append(RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
-                                      finished, group.metrics))
+            outs.append(out)
         return outs
 
     # ---- figures -----------------------------------------------------------------------

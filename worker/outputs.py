@@ -1,0 +1,32 @@
+"""Turning a request's state into the outputs the caller sees.
+
+Two kinds: "final" (one output when the request finishes, with everything) and
+"delta" (an output at every step that produced tokens, with only what is new:
+the streaming frontends use it).
+"""
+
+from __future__ import annotations
+
+from folio.worker.sequence import CompletionOutput, RequestOutput, SequenceGroup
+
+OUTPUT_KINDS = ("final", "delta")
+
+
+def make_request_output(group: SequenceGroup, kind: str) -> RequestOutput | None:
+    """The output for `group` now, or None when `kind` has nothing to report yet."""
+    finished = group.is_finished
+    if kind == "final" and not finished:
+        return None
+    completions = []
+    for seq in group.seqs:
+        if kind == "delta":
+            ids = seq.output_token_ids[seq._sent_tokens :]
+            text = seq.output_text[seq._sent_text_len :]
+            lps = seq.logprobs[seq._sent_tokens :] if seq.logprobs is not None else None
+            seq._sent_tokens += len(ids)
+            seq._sent_text_len = len(seq.output_text)
+        else:
+            ids, text, lps = seq.output_token_ids, seq.output_text, seq.logprobs
+        completions.append(CompletionOutput(seq.index, ids, text, seq.finish_reason, seq.stop_reason, lps))
+    return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, finished,
+                         group.metrics)
