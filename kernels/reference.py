@@ -72,6 +72,7 @@ class AttentionPlan:
 
     decode: list[DecodeChunk]
     prefill: list[PrefillSeq]
+    max_query_len: int | None = None  # longest new-token count of the batch
 
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
@@ -102,7 +103,7 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_sta
                 mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
             prefill.append(PrefillSeq(qsl[s], qsl[s + 1], tables[s, : (ctx + block_size - 1) // block_size], ctx,
                                       mask))
-    return AttentionPlan(chunks, prefill)
+    return AttentionPlan(chunks, prefill, max(b - a for a, b in zip(qsl, qsl[1:])) if lens else 0)
 
 
 def _decode_chunks(ctx_lens: list[int], block_size: int, bytes_per_token: int) -> list[tuple[list[int], int]]:
@@ -134,6 +135,7 @@ def paged_attention(
     query_start_loc: torch.Tensor,  # [num_seqs + 1]: cumulative new-token counts
     scale: float,
     plan: AttentionPlan | None = None,  # from plan_attention (optional: derived if absent)
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim] to write into (optional)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], dtype of q
     """Causal attention of the packed new tokens over their paged context (fp32 accumulation).
 
@@ -145,7 +147,7 @@ def paged_attention(
     num_kv_heads, head_dim, block_size = k_cache.shape[2], k_cache.shape[3], k_cache.shape[1]
     if plan is None:
         plan = plan_attention(block_tables, seq_lens, query_start_loc, block_size, kv_bytes_per_token(k_cache))
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     for c in plan.decode:
         n, T = c.rows.shape[0], c.num_blocks * block_size
         k = k_cache.index_select(0, c.blocks).view(n, T, num_kv_heads, head_dim).transpose(1, 2)  # [n, KVH, T, D]

@@ -7,8 +7,14 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import pytest
-import torch
+import torch  # noqa: E402
+
+# Without a GPU the Triton kernels run in triton's interpreter; the flag must be set
+# before triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 from folio.deploy.tiny_model import TinySpec, make_tiny_model
 

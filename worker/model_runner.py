@@ -47,7 +47,7 @@ class ModelRunner:
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
             mapping = torch.tensor(pairs, dtype=torch.long, device=self.device)
-            kernels.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
+            self.model.ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
 
     def prepare(self, scheduled: list[tuple[Sequence, int]], kv: KVCacheManager) -> ModelInputs:
         B = self.block_size
@@ -85,7 +85,7 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
         )
-        meta.plan = kernels.plan_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc, B,
+        meta.plan = self.model.ops.plan_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc, B,
                                            kernels.kv_bytes_per_token(self.kv_caches[0][0]))
         return ModelInputs(torch.tensor(ids, dtype=torch.long, device=dev),
                            torch.tensor(pos, dtype=torch.long, device=dev), meta, sample_rows, sample_seqs)

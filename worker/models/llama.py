@@ -48,8 +48,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
-                 norm: torch.Tensor, lm_head: torch.Tensor, max_len: int) -> None:
+                 norm: torch.Tensor, lm_head: torch.Tensor, max_len: int, ops: kernels.KernelOps) -> None:
         self.config = config
+        self.ops = ops  # write_kv / paged_attention implementations (kernels.get_ops)
         self.embed = embed
         self.layers = layers
         self.norm = norm
@@ -76,8 +77,8 @@ class LlamaModel:
             k = k.view(T, c.num_kv_heads, c.head_dim)
             v = v.view(T, c.num_kv_heads, c.head_dim)
             q, k = self.rope.apply(positions, q, k)
-            kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            attn = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+            self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            attn = self.ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                            meta.query_start_loc, self.scale, plan=meta.plan)
             h = h + F.linear(attn.reshape(T, self.q_size), layer.o_w, layer.o_b)
             x = rms_norm(h, layer.post_norm, eps)

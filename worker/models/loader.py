@@ -11,6 +11,7 @@ import os
 import torch
 from safetensors import safe_open
 
+from folio.kernels import get_ops
 from folio.worker.errors import ModelLoadError
 from folio.worker.models.config import ModelConfig
 from folio.worker.models.llama import LayerWeights, LlamaModel
@@ -91,4 +92,4 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int
         lm_head = embed
     else:
         lm_head = take("lm_head.weight", (c.vocab_size, H))
-    return LlamaModel(c, embed, layers, norm, lm_head, max_len)
+    return LlamaModel(c, embed, layers, norm, lm_head, max_len, get_ops(device))

@@ -1,0 +1,62 @@
+"""Which implementation of the kernel ops runs — decided here and nowhere else.
+
+    FOLIO_ATTENTION_BACKEND=torch|triton   overrides the choice
+    default                                 triton on CUDA, the torch reference elsewhere
+
+Tests run the Triton kernels on CPU with TRITON_INTERPRET=1 (set before triton is
+imported) and FOLIO_ATTENTION_BACKEND=triton.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from folio.kernels import reference
+
+BACKENDS = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    name: str
+    write_kv: Callable
+    paged_attention: Callable
+    copy_blocks: Callable
+    swap_blocks: Callable
+    plan_attention: Callable  # (block_tables, seq_lens, query_start_loc, block_size, kv_bytes) -> plan
+
+
+TORCH_OPS = KernelOps("torch", reference.write_kv, reference.paged_attention, reference.copy_blocks,
+                      reference.swap_blocks, reference.plan_attention)
+
+
+def _plan_for_triton(block_tables, seq_lens, query_start_loc, block_size, kv_bytes_per_token):
+    """The Triton kernel needs only the grid size: the longest query of the batch."""
+    max_q = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if seq_lens.numel() else 0
+    return reference.AttentionPlan(decode=[], prefill=[], max_query_len=max_q)
+
+
+def _triton_ops() -> KernelOps:
+    from folio.kernels.copy_blocks import copy_blocks
+    from folio.kernels.paged_attention import paged_attention
+    from folio.kernels.write_kv import write_kv
+
+    # swap_blocks stays a batched torch copy (device <-> pinned host): no kernel beats the copy engine
+    return KernelOps("triton", write_kv, paged_attention, copy_blocks, reference.swap_blocks, _plan_for_triton)
+
+
+def backend_name(device: torch.device) -> str:
+    name = os.environ.get("FOLIO_ATTENTION_BACKEND", "").strip().lower()
+    if not name:
+        return "triton" if device.type == "cuda" else "torch"
+    if name not in BACKENDS:
+        raise ValueError(f"FOLIO_ATTENTION_BACKEND must be one of {BACKENDS}, got {name!r}")
+    return name
+
+
+def get_ops(device: torch.device | str) -> KernelOps:
+    return _triton_ops() if backend_name(torch.device(device)) == "triton" else TORCH_OPS
