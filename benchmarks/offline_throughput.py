@@ -171,6 +171,8 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="runs of each system per budget, alternated (A B A B) so machine drift cancels")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -190,18 +192,28 @@ def main() -> int:
     for kv_tokens in budgets:
         num_blocks = kv_tokens // args.block_size
         kv_mib = round(num_blocks * args.block_size * mc.kv_bytes_per_token(4) / 2**20, 1)
-        pair = {}
-        for mgr in ("paged", "contiguous"):
-            r = run_engine(args.model, mgr, reqs, num_blocks, args.block_size, args.max_model_len, args.max_num_seqs)
-            r.update(kv_tokens=kv_tokens, kv_mib=kv_mib)
-            print(r, flush=True)
-            results.append(r)
-            pair[mgr] = r
+        runs: dict[str, list[dict]] = {"paged": [], "contiguous": []}
+        for rnd in range(1 if args.quick else args.rounds):
+            for mgr in ("paged", "contiguous"):
+                r = run_engine(args.model, mgr, reqs, num_blocks, args.block_size, args.max_model_len,
+                               args.max_num_seqs)
+                r.update(kv_tokens=kv_tokens, kv_mib=kv_mib, round=rnd)
+                print(r, flush=True)
+                runs[mgr].append(r)
+        for mgr, rs in runs.items():  # one row per system: throughput averaged over its rounds
+            row = dict(rs[0])
+            row["output_tokens_per_s"] = round(statistics.fmean(r["output_tokens_per_s"] for r in rs), 1)
+            row["requests_per_s"] = round(statistics.fmean(r["requests_per_s"] for r in rs), 3)
+            row["seconds"] = round(statistics.fmean(r["seconds"] for r in rs), 3)
+            row["rounds_output_tokens_per_s"] = [r["output_tokens_per_s"] for r in rs]
+            row.pop("round")
+            results.append(row)
+        pairs = [p["output_tokens_per_s"] / c["output_tokens_per_s"] for p, c in zip(runs["paged"], runs["contiguous"])]
         summary[f"kv_{kv_tokens}"] = {
-            "paged_vs_contiguous_throughput": round(pair["paged"]["output_tokens_per_s"]
-                                                    / pair["contiguous"]["output_tokens_per_s"], 2),
-            "paged_vs_contiguous_avg_batch": round(pair["paged"]["avg_running_batch"]
-                                                   / pair["contiguous"]["avg_running_batch"], 2),
+            "paged_vs_contiguous_throughput": round(statistics.fmean(pairs), 2),
+            "paged_vs_contiguous_throughput_per_round": [round(x, 2) for x in pairs],
+            "paged_vs_contiguous_avg_batch": round(runs["paged"][0]["avg_running_batch"]
+                                                   / runs["contiguous"][0]["avg_running_batch"], 2),
         }
     # HF keeps its KV in a static batch that reserves each sequence's whole length:
     # with the middle budget's memory that is budget / max_model_len sequences.
