@@ -181,13 +181,15 @@ def copy_blocks(
 
 
 def swap_blocks(
-    src: torch.Tensor,  # [num_src_blocks, ...] one layer's cache on one device
-    dst: torch.Tensor,  # [num_dst_blocks, ...] the same layer's cache on the other device
+    src: torch.Tensor,  # a cache on one device: [..., num_src_blocks, ...] (blocks along block_dim)
+    dst: torch.Tensor,  # the same cache layout on the other device
     block_mapping: torch.Tensor,  # [num_pairs, 2] int (src block, dst block)
+    block_dim: int = 0,  # 0 for one layer's cache; 2 for the engine's [layers, k|v, blocks, ...] cache
 ) -> None:
-    """Copy blocks between devices (device <-> host) in one batched copy."""
+    """Copy blocks between devices (device <-> host) for every layer at once: one gather,
+    one transfer, one scatter, however many blocks and layers."""
     if block_mapping.numel() == 0:
         return
     s = block_mapping[:, 0].to(torch.long).to(src.device)
     d = block_mapping[:, 1].to(torch.long).to(dst.device)
-    dst.index_copy_(0, d, src.index_select(0, s).to(dst.device, non_blocking=True))
+    dst.index_copy_(block_dim, d, src.index_select(block_dim, s).to(dst.device, non_blocking=True))

@@ -6,7 +6,8 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from folio.worker.block_manager import ContiguousKVManager, PagedKVManager
+from folio.worker.block_manager import PagedKVManager
+from folio.worker.contiguous_kv import ContiguousKVManager
 from folio.worker.hashing import hash_block, hash_full_blocks
 from folio.worker.sampling_params import SamplingParams
 from folio.worker.sequence import Sequence, SequenceGroup

@@ -18,6 +18,7 @@ from typing import Protocol
 from folio.worker.block_pool import BlockPool
 from folio.worker.hashing import DEFAULT_HASH_SEED, hash_block
 from folio.worker.sequence import Sequence
+from folio.worker.swap_space import SwapSpace
 
 
 def cdiv(a: int, b: int) -> int:
@@ -36,6 +37,10 @@ class KVCacheManager(Protocol):
     def cache_blocks(self, seq: Sequence) -> None: ...
     def block_table(self, seq: Sequence) -> list[int]: ...
     def take_copies(self) -> list[tuple[int, int]]: ...
+    def swap_out(self, seq: Sequence) -> bool: ...
+    def swap_in(self, seq: Sequence, reserve: int = 0) -> bool: ...
+    def swapped_blocks(self, seq: Sequence) -> int: ...
+    def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]: ...
     def max_blocks_per_seq(self, num_tokens: int) -> int: ...
     @property
     def num_free_blocks(self) -> int: ...
@@ -49,8 +54,9 @@ class PagedKVManager:
     """Block tables over a shared pool, with automatic prefix caching."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_seed: bytes = DEFAULT_HASH_SEED) -> None:
+                 hash_seed: bytes = DEFAULT_HASH_SEED, num_cpu_blocks: int = 0) -> None:
         self.num_blocks = num_blocks
+        self.swap = SwapSpace(num_cpu_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_seed = hash_seed
@@ -136,10 +142,44 @@ class PagedKVManager:
         return True
 
     def free(self, seq: Sequence) -> None:
+        """Release everything `seq` holds: device blocks and host (swap) blocks."""
+        self._free_device(seq)
+        self.swap.drop(seq.seq_id)
+
+    def _free_device(self, seq: Sequence) -> None:
         table = self.tables.pop(seq.seq_id, None)
         self.num_cached.pop(seq.seq_id, None)
         if table:
             self.pool.free(reversed(table))  # tail first: a request's last blocks are evicted first
+
+    # ---- swapping (see swap_space.py for the copy ordering) ----------------------------
+    def swap_out(self, seq: Sequence) -> bool:
+        """Move `seq`'s KV to host blocks and free its device blocks; False (nothing
+        changed) when the swap space cannot hold it. The caller must not have
+        allocated for `seq` in this step (its pending writes would not be copied)."""
+        table = self.tables.get(seq.seq_id)
+        if not table or not self.swap.store(seq.seq_id, table):
+            return False
+        self._free_device(seq)
+        return True
+
+    def swap_in(self, seq: Sequence, reserve: int = 0) -> bool:
+        """New device blocks for a swapped-out `seq`, filled from its host blocks before the
+        next forward; False (nothing changed) unless `reserve` blocks stay free after."""
+        n = len(self.swap.tables[seq.seq_id])
+        if n + reserve > self.pool.num_free:
+            return False
+        device = self.pool.allocate(n)
+        self.swap.load(seq.seq_id, device)
+        self.tables[seq.seq_id] = device
+        self.num_cached[seq.seq_id] = 0
+        return True
+
+    def swapped_blocks(self, seq: Sequence) -> int:
+        return len(self.swap.tables[seq.seq_id])
+
+    def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        return self.swap.take_swaps()
 
     def fork(self, parent: Sequence, child: Sequence) -> bool:
         table = self.tables[parent.seq_id]
@@ -186,6 +226,8 @@ class PagedKVManager:
     def check_invariants(self, seqs: list[Sequence]) -> None:
         live = {s.seq_id for s in seqs}
         assert set(self.tables) <= live, f"tables for dead sequences: {set(self.tables) - live}"
+        assert not set(self.tables) & set(self.swap.tables), "a sequence holds device and host blocks"
+        self.swap.check_invariants(live)
         refs = [0] * self.num_blocks
         for sid, table in self.tables.items():
             assert len(set(table)) == len(table), f"sequence {sid} holds a block twice"
@@ -195,101 +237,3 @@ class PagedKVManager:
         for s in seqs:
             if s.seq_id in self.tables:
                 assert len(self.tables[s.seq_id]) * self.block_size >= s.num_computed_tokens
-
-
-class ContiguousKVManager:
-    """The naive baseline: each sequence reserves `max_model_len` slots, contiguous, first fit.
-
-    The address space is the same block-granular slot range as the paged pool,
-    so the same kernels read it; a reservation is simply a run of consecutive
-    blocks, and its block table is that run.
-    """
-
-    def __init__(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.reserve_blocks = cdiv(max_model_len, block_size)
-        self.regions: dict[int, list[int]] = {}  # seq_id -> its block run
-        self.gaps: list[tuple[int, int]] = [(0, num_blocks)]  # sorted (start, length)
-        self._copies: list[tuple[int, int]] = []
-
-    def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:
-        return [], 0
-
-    def cache_blocks(self, seq: Sequence) -> None:
-        pass
-
-    def _reserve(self) -> list[int] | None:
-        n = self.reserve_blocks
-        for i, (start, length) in enumerate(self.gaps):
-            if length >= n:
-                if length == n:
-                    del self.gaps[i]
-                else:
-                    self.gaps[i] = (start + n, length - n)
-                return list(range(start, start + n))
-        return None
-
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = (),
-                       reserve: int = 0) -> bool:
-        if seq.seq_id in self.regions:
-            return True
-        region = self._reserve()
-        if region is None:
-            return False
-        self.regions[seq.seq_id] = region
-        return True
-
-    def free(self, seq: Sequence) -> None:
-        region = self.regions.pop(seq.seq_id, None)
-        if region is None:
-            return
-        self.gaps.append((region[0], len(region)))
-        self.gaps.sort()
-        merged: list[tuple[int, int]] = []
-        for start, length in self.gaps:
-            if merged and merged[-1][0] + merged[-1][1] == start:
-                merged[-1] = (merged[-1][0], merged[-1][1] + length)
-            else:
-                merged.append((start, length))
-        self.gaps = merged
-
-    def fork(self, parent: Sequence, child: Sequence) -> bool:
-        region = self._reserve()
-        if region is None:
-            return False
-        self.regions[child.seq_id] = region
-        used = cdiv(parent.num_computed_tokens, self.block_size)
-        src = self.regions[parent.seq_id]
-        self._copies.extend(zip(src[:used], region[:used]))
-        return True
-
-    def block_table(self, seq: Sequence) -> list[int]:
-        return self.regions[seq.seq_id]
-
-    def take_copies(self) -> list[tuple[int, int]]:
-        out, self._copies = self._copies, []
-        return out
-
-    def max_blocks_per_seq(self, num_tokens: int) -> int:
-        return self.reserve_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return sum(length for _, length in self.gaps)
-
-    @property
-    def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
-
-    def slot_stats(self, seqs: list[Sequence]) -> tuple[int, int]:
-        used = sum(s.num_computed_tokens for s in seqs if s.seq_id in self.regions)
-        return used, len(self.regions) * self.reserve_blocks * self.block_size
-
-    def check_invariants(self, seqs: list[Sequence]) -> None:
-        live = {s.seq_id for s in seqs}
-        assert set(self.regions) <= live, "regions for dead sequences"
-        owned = [b for r in self.regions.values() for b in r]
-        gap_blocks = [b for start, length in self.gaps for b in range(start, start + length)]
-        assert len(set(owned)) == len(owned), "overlapping reservations"
-        assert sorted(owned + gap_blocks) == list(range(self.num_blocks)), "blocks lost or doubled"

@@ -25,8 +25,9 @@ class EngineConfig:
     kv_manager: str = "paged"  # "paged" | "contiguous"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    preemption_mode: str = "auto"  # "auto" | "recompute" | "swap" (swap: later issue)
-    swap_space_gb: float = 4.0  # CPU swap space (used once swapping exists)
+    preemption_mode: str = "auto"  # "auto" | "recompute" | "swap" (see worker/preemption.py)
+    swap_space_gb: float = 4.0  # CPU memory for swapped-out KV (pinned on CUDA)
+    num_cpu_blocks: int | None = None  # overrides swap_space_gb, in blocks
     watermark: float = 0.01  # fraction of blocks kept free when admitting (anti-thrash)
     seed: int = 0  # seed for requests that carry none
     tokenizer: str | None = None  # defaults to `model`
@@ -40,8 +41,8 @@ class EngineConfig:
             raise ConfigError(f"kv_manager must be 'paged' or 'contiguous', got {self.kv_manager!r}")
         if self.preemption_mode not in ("auto", "recompute", "swap"):
             raise ConfigError(f"preemption_mode must be auto|recompute|swap, got {self.preemption_mode!r}")
-        if self.preemption_mode == "swap":
-            raise ConfigError("preemption_mode='swap' is not available yet: use 'recompute' or 'auto'")
+        if self.swap_space_gb < 0 or (self.num_cpu_blocks is not None and self.num_cpu_blocks < 0):
+            raise ConfigError("the swap space cannot be negative")
         if self.max_num_seqs < 1:
             raise ConfigError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

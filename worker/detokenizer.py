@@ -19,9 +19,10 @@ class Detokenizer:
             skip = seq.params.skip_special_tokens
             ctx = seq.token_ids[max(0, seq.num_prompt_tokens - _PROMPT_CONTEXT) : seq.num_prompt_tokens]
             seq._decoder = DecodeStream(ids=ctx, skip_special_tokens=skip)
-            # replay output tokens produced before this stream existed (e.g. a forked child)
+            # feed output tokens produced before this stream existed (an imported sequence:
+            # their text is already in output_text) so the next token decodes in context
             for t in seq.token_ids[seq.num_prompt_tokens : seq.num_tokens - 1]:
-                seq.output_text += self._step(seq._decoder, t)
+                self._step(seq._decoder, t)
         return seq._decoder
 
     def _step(self, stream: DecodeStream, token_id: int) -> str:

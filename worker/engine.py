@@ -13,7 +13,8 @@ import os
 import time
 import torch
 
-from folio.worker.block_manager import ContiguousKVManager, KVCacheManager, PagedKVManager
+from folio.worker.block_manager import KVCacheManager, PagedKVManager
+from folio.worker.contiguous_kv import ContiguousKVManager
 from folio.worker.config import EngineConfig
 from folio.worker.detokenizer import Detokenizer
 from folio.worker.errors import ConfigError, InvalidRequestError
@@ -21,6 +22,8 @@ from folio.worker.model_runner import ModelRunner
 from folio.worker.models.config import ModelConfig
 from folio.worker.models.loader import load_model
 from folio.worker.outputs import OUTPUT_KINDS, make_request_output
+from folio.worker.migration import RequestState, export_request, import_request
+from folio.worker.preemption import PreemptionRates
 from folio.worker.sampler import sample
 from folio.worker.sampling_params import SamplingParams
 from folio.worker.scheduler import Scheduler
@@ -51,19 +54,31 @@ class LLMEngine:
         if not config.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
 
+        bytes_per_block = mc.kv_bytes_per_token(dtype.itemsize) * config.block_size
+        self.num_cpu_blocks = 0
+        if config.kv_manager == "paged" and config.preemption_mode != "recompute":
+            # swap_space_gb, capped at 4x the device blocks: more would only let more requests
+            # sit swapped rather than waiting, and the host block bookkeeping grows with it
+            self.num_cpu_blocks = (config.num_cpu_blocks if config.num_cpu_blocks is not None
+                                   else min(int(config.swap_space_gb * (1 << 30)) // bytes_per_block,
+                                            4 * self.num_kv_blocks))
         if config.kv_manager == "paged":
             self.kv: KVCacheManager = PagedKVManager(self.num_kv_blocks, config.block_size,
-                                                     config.enable_prefix_caching)
+                                                     config.enable_prefix_caching, num_cpu_blocks=self.num_cpu_blocks)
         else:
             self.kv = ContiguousKVManager(self.num_kv_blocks, config.block_size, self.max_model_len)
             if self.kv.reserve_blocks > self.num_kv_blocks:
                 raise ConfigError(f"the contiguous baseline reserves {self.kv.reserve_blocks} blocks per "
                                   f"request but the cache has {self.num_kv_blocks}")
+        self.rates = PreemptionRates()  # measured swap and prefill speeds, for preemption_mode="auto"
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.enable_chunked_prefill,
-                                   watermark_blocks=int(config.watermark * self.num_kv_blocks))
+                                   watermark_blocks=int(config.watermark * self.num_kv_blocks),
+                                   preemption_mode=config.preemption_mode, kv_bytes_per_block=bytes_per_block,
+                                   rates=self.rates)
         self.model = load_model(config.model, dtype, self.device, self.max_model_len, mc)
-        self.runner = ModelRunner(self.model, self.num_kv_blocks, config.block_size, dtype, self.device)
+        self.runner = ModelRunner(self.model, self.num_kv_blocks, config.block_size, dtype, self.device,
+                                  self.num_cpu_blocks)
         self.tokenizer = _load_tokenizer(config.tokenizer)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.eos_token_ids = set(mc.eos_token_ids) | _generation_eos(config.model)
@@ -75,6 +90,7 @@ class LLMEngine:
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.timings = StepTimings()
+        self.swap_bytes = 0
 
     # ---- setup helpers -----------------------------------------------------------------
     @staticmethod
@@ -160,6 +176,14 @@ class LLMEngine:
         group.forked = True
         return True
 
+    def export_request(self, request_id: str) -> RequestState:
+        """The request's whole state (KV as CPU tensors), freed here. See migration.py."""
+        return export_request(self, request_id)
+
+    def import_request(self, state: RequestState) -> str:
+        """Admit a request exported by another engine; it resumes from its KV. See migration.py."""
+        return import_request(self, state)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 
@@ -177,11 +201,22 @@ class LLMEngine:
             if seq.group.metrics.first_scheduled_time is None:
                 seq.group.metrics.first_scheduled_time = now
         t1 = time.perf_counter()
+        # swaps before copy-on-write: see swap_space.py and Scheduler._preempt for the ordering
+        moved = self.runner.swap(sched.swap_out, sched.swap_in)
+        if moved:
+            ts = time.perf_counter() - t1
+            self.timings.swap += ts
+            self.swap_bytes += moved
+            self.rates.swap_bytes_per_s = PreemptionRates.ema(self.rates.swap_bytes_per_s, moved / max(ts, 1e-9))
+            t1 = time.perf_counter()
         self.runner.copy_blocks(sched.block_copies)
         inputs = self.runner.prepare(sched.scheduled, self.kv)
         t2 = time.perf_counter()
         logits = self.runner.execute(inputs)
         t3 = time.perf_counter()
+        if sched.num_batched_tokens >= 64:  # a prompt-sized batch: what recomputing costs
+            self.rates.prefill_tokens_per_s = PreemptionRates.ema(self.rates.prefill_tokens_per_s,
+                                                                  sched.num_batched_tokens / max(t3 - t2, 1e-9))
         self.num_steps += 1
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
@@ -283,14 +318,24 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         kv = self.kv
+        st = self.scheduler.stats
+        swap = getattr(kv, "swap", None)
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
+            num_swapped=self.scheduler.num_swapped,
             num_free_blocks=kv.num_free_blocks,
             num_kv_blocks=self.num_kv_blocks,
             kv_usage=kv.usage,
-            num_preemptions=self.scheduler.stats.num_preemptions,
-            num_recomputed_tokens=self.scheduler.stats.num_recomputed_tokens,
+            num_cpu_blocks=self.num_cpu_blocks,
+            cpu_usage=swap.usage if swap is not None else 0.0,
+            num_preemptions=st.num_preemptions,
+            preemptions_by_mode=dict(st.preemptions_by_mode),
+            num_recomputed_tokens=st.num_recomputed_tokens,
+            swapped_out_blocks=st.swapped_out_blocks,
+            swapped_in_blocks=st.swapped_in_blocks,
+            swap_bytes=self.swap_bytes,
+            swap_seconds=self.timings.swap,
             prefix_cache_queries=getattr(kv, "prefix_queries", 0),
             prefix_cache_hits=getattr(kv, "prefix_hits", 0),
             num_steps=self.num_steps,

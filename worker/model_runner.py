@@ -34,7 +34,7 @@ class ModelInputs:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, num_cpu_blocks: int = 0) -> None:
         c = model.config
         self.model = model
         self.block_size = block_size
@@ -43,6 +43,21 @@ class ModelRunner:
         self.kv_cache = torch.zeros(c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim,
                                     dtype=dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(c.num_layers)]
+        # Swap space, same layout; pinned so device <-> host copies run at full speed on CUDA.
+        # torch.empty: pages are only committed when a block is first swapped into them.
+        self.host_cache = torch.empty(c.num_layers, 2, num_cpu_blocks, block_size, c.num_kv_heads, c.head_dim,
+                                      dtype=dtype, pin_memory=device.type == "cuda")
+        self.bytes_per_block = self.kv_cache[:, :, 0].numel() * self.kv_cache.element_size()
+
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> int:
+        """Run a step's swaps, all blocks and layers in one call per direction (outs first).
+        Returns the bytes moved."""
+        for pairs, src, dst in ((swap_out, self.kv_cache, self.host_cache), (swap_in, self.host_cache, self.kv_cache)):
+            if pairs:
+                self.model.ops.swap_blocks(src, dst, torch.tensor(pairs, dtype=torch.long), block_dim=2)
+        if (swap_out or swap_in) and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return (len(swap_out) + len(swap_in)) * self.bytes_per_block
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:

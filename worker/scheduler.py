@@ -12,6 +12,12 @@ prompt longer than the step's token budget is prefilled in chunks across steps.
          arrival), reusing prefix-cached blocks, while budget, seats and blocks
          (above the watermark) last. Head-of-line blocking keeps the order fair.
 
+A preempted sequence is swapped out to CPU memory (its KV kept) or recomputed
+(its KV dropped), per `preemption.choose_mode`. Swapped sequences come back
+before any new admission, and only when the blocks they need leave headroom for
+every running sequence to grow, so a request is not swapped in only to be
+preempted again at once.
+
 The scheduler knows nothing of tensors; the engine runs what it returns.
 """
 
@@ -21,18 +27,18 @@ import heapq
 from dataclasses import dataclass, field
 
 from folio.worker.block_manager import KVCacheManager
+from folio.worker.preemption import PreemptionRates, choose_mode, choose_victim
 from folio.worker.sequence import Sequence, SequenceGroup, SequenceStatus
 
-
-def choose_victim(running: list[Sequence]) -> Sequence:
-    """Policy: the lowest priority (largest value) first, then the latest arrival."""
-    return max(running, key=lambda s: (s.priority, s.arrival_time, s.seq_id))
+__all__ = ["Scheduler", "SchedulerOutput", "SchedulerStats", "choose_victim"]
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # in batch order
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     preempted: list[Sequence] = field(default_factory=list)
     num_batched_tokens: int = 0
 
@@ -43,14 +49,23 @@ class SchedulerOutput:
 
 @dataclass
 class SchedulerStats:
-    num_preemptions: int = 0  # recompute preemptions
-    num_recomputed_tokens: int = 0  # computed tokens thrown away by preemption
+    num_preemptions: int = 0  # all preemptions
+    preemptions_by_mode: dict = field(default_factory=lambda: {"swap": 0, "recompute": 0})
+    num_recomputed_tokens: int = 0  # computed tokens thrown away by recompute preemption
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
 
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True, watermark_blocks: int = 0) -> None:
+                 enable_chunked_prefill: bool = True, watermark_blocks: int = 0,
+                 preemption_mode: str = "recompute", kv_bytes_per_block: int = 0,
+                 rates: PreemptionRates | None = None) -> None:
         self.kv = kv
+        self.preemption_mode = preemption_mode
+        self.kv_bytes_per_block = kv_bytes_per_block
+        self.rates = rates or PreemptionRates()
+        self.swapped: list[Sequence] = []  # KV in CPU memory, waiting to come back
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -83,13 +98,19 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
     def has_unfinished(self) -> bool:
-        return bool(self.running) or self._num_waiting > 0
+        return bool(self.running) or self._num_waiting > 0 or bool(self.swapped)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire `seq` (finished or aborted) from whichever queue holds it and free its blocks."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self._num_waiting -= 1  # its heap entry is dropped lazily
         seq.status = SequenceStatus.FINISHED
@@ -107,15 +128,60 @@ class Scheduler:
         self._push_waiting(seq)
 
     # ---- the policy --------------------------------------------------------------------
-    def _preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: drop the KV, requeue. (Swap is the seam for a later issue.)"""
+    def add_swapped(self, seq: Sequence) -> None:
+        """An imported sequence whose KV sits in this engine's swap space."""
+        seq.status = SequenceStatus.SWAPPED
+        self.swapped.append(seq)
+
+    def _preempt(self, seq: Sequence, allocated_this_step: bool) -> None:
+        """Swap `seq` out or drop its KV, per the preemption mode; it leaves the batch."""
         self.running.remove(seq)
-        self.kv.free(seq)
         self.stats.num_preemptions += 1
+        seq.num_preemptions += 1
+        seq.group.metrics.num_preemptions += 1
+        mode = "recompute"
+        # A sequence allocated for in this step may have pending writes (copy-on-write)
+        # that a swap-out would miss: it is recomputed.
+        if self.preemption_mode != "recompute" and not allocated_this_step:
+            blocks = len(self.kv.block_table(seq))
+            mode = choose_mode(self.preemption_mode, blocks * self.kv_bytes_per_block, seq.num_computed_tokens,
+                               self.rates)
+            if mode == "swap" and self.kv.swap_out(seq):
+                self.stats.preemptions_by_mode["swap"] += 1
+                self.stats.swapped_out_blocks += blocks
+                seq.status = SequenceStatus.SWAPPED
+                self.swapped.append(seq)
+                return
+        # recompute: drop the KV, requeue
+        self.stats.preemptions_by_mode["recompute"] += 1
+        self.kv.free(seq)
         self.stats.num_recomputed_tokens += seq.num_computed_tokens
         seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
         self._push_waiting(seq)
+
+    def _swap_in(self, budget: int, scheduled: dict[int, int], by_id: dict[int, Sequence]) -> int:
+        """Bring swapped sequences back (priority, then arrival) while they fit with headroom."""
+        self.swapped.sort(key=lambda s: (s.priority, s.arrival_time, s.seq_id))
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.swapped[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            # room for its next tokens, plus headroom: the watermark and one block per
+            # running sequence (each may grow), so it is not preempted again at once
+            held = self.kv.swapped_blocks(seq)
+            grow = max(0, self.kv.max_blocks_per_seq(seq.num_computed_tokens + n) - held)
+            reserve = grow + (self.watermark_blocks + len(self.running) if self.running else 0)
+            if not self.kv.swap_in(seq, reserve=reserve):
+                break
+            if not self.kv.allocate_slots(seq, n):
+                raise RuntimeError("headroom reserved for a swapped-in sequence was not there")
+            self.swapped.pop(0)
+            self.stats.swapped_in_blocks += held
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled[seq.seq_id] = n
+            by_id[seq.seq_id] = seq
+            budget -= n
+        return budget
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -130,7 +196,7 @@ class Scheduler:
             while not self.kv.allocate_slots(seq, n):
                 victim = choose_victim(self.running)
                 vi = self.running.index(victim)
-                self._preempt(victim)
+                self._preempt(victim, allocated_this_step=victim.seq_id in scheduled)
                 out.preempted.append(victim)
                 if victim.seq_id in scheduled:
                     budget += scheduled.pop(victim.seq_id)
@@ -145,6 +211,8 @@ class Scheduler:
                 i += 1
 
         if not out.preempted:
+            budget = self._swap_in(budget, scheduled, by_id)
+        if not out.preempted and not self.swapped:
             while budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self._peek_waiting()
                 if seq is None:
@@ -173,4 +241,5 @@ class Scheduler:
         out.scheduled = [(by_id[sid], n) for sid, n in scheduled.items()]
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         out.block_copies = self.kv.take_copies()
+        out.swap_out, out.swap_in = self.kv.take_swaps()
         return out

@@ -129,6 +129,7 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    num_preemptions: int = 0  # times any of its sequences was preempted (swap or recompute)
 
 
 @dataclass

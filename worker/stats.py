@@ -14,6 +14,7 @@ class StepTimings:
     forward: float = 0.0  # the model, logits included
     sample: float = 0.0  # sampler
     postprocess: float = 0.0  # appending tokens, detokenizing, stop checks, outputs
+    swap: float = 0.0  # device <-> host block copies
     steps: int = 0
 
 
@@ -21,11 +22,19 @@ class StepTimings:
 class EngineStats:
     num_running: int
     num_waiting: int
+    num_swapped: int
     num_free_blocks: int
     num_kv_blocks: int
-    kv_usage: float
+    kv_usage: float  # device blocks in use / all
+    num_cpu_blocks: int
+    cpu_usage: float  # swap-space blocks in use / all
     num_preemptions: int
+    preemptions_by_mode: dict  # {"swap": n, "recompute": n}
     num_recomputed_tokens: int
+    swapped_out_blocks: int
+    swapped_in_blocks: int
+    swap_bytes: int  # bytes moved either way
+    swap_seconds: float
     prefix_cache_queries: int  # blocks looked up
     prefix_cache_hits: int  # blocks found
     num_steps: int

@@ -1,0 +1,132 @@
+"""Moving a request between engines: export its whole state, import it elsewhere.
+
+The state crosses processes (the Ray object store) as plain values plus CPU
+tensors: the tokens, sampling parameters and RNG state of every completion, the
+text generated so far, and each unfinished completion's KV blocks. The importer
+puts the KV into its swap space and the request resumes with the next swap-in,
+as if it had been swapped out there; without room it recomputes instead. Either
+way the continuation is the same tokens an uninterrupted run would produce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from folio.worker.block_manager import cdiv
+from folio.worker.errors import InvalidRequestError
+from folio.worker.sampling_params import SamplingParams
+from folio.worker.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+@dataclass
+class SequenceState:
+    index: int  # which of the n completions
+    token_ids: list[int]  # prompt + output
+    num_computed_tokens: int  # tokens whose KV is in `kv`
+    output_text: str
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None  # set for a completion that already finished
+    stop_reason: int | str | None
+    rng_state: torch.Tensor | None  # torch.Generator state (None for greedy)
+    sent_tokens: int  # output tokens already streamed to the client
+    sent_text_len: int
+    kv: torch.Tensor | None  # [layers, 2, num_blocks, block_size, kv_heads, head_dim] on CPU
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    arrival_time: float
+    forked: bool  # the n completions exist (the prompt's prefill completed)
+    output_kind: str
+    block_size: int
+    seqs: list[SequenceState] = field(default_factory=list)
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(s.kv.numel() * s.kv.element_size() for s in self.seqs if s.kv is not None)
+
+
+def export_request(engine, request_id: str) -> RequestState:
+    """Snapshot `request_id` and free it on `engine` (no output is emitted for it there)."""
+    group: SequenceGroup | None = engine.groups.get(request_id)
+    if group is None:
+        raise InvalidRequestError(f"unknown request {request_id!r}")
+    kv, runner, B = engine.kv, engine.runner, engine.config.block_size
+    seqs = []
+    for seq in group.seqs:
+        data = None
+        if not seq.is_finished and seq.num_computed_tokens > 0:
+            n = cdiv(seq.num_computed_tokens, B)
+            if seq.status is SequenceStatus.SWAPPED:
+                src, blocks = runner.host_cache, kv.swap.tables[seq.seq_id][:n]
+            else:
+                src, blocks = runner.kv_cache, kv.block_table(seq)[:n]
+            data = src.index_select(2, torch.tensor(blocks, dtype=torch.long, device=src.device)).cpu()
+        seqs.append(SequenceState(
+            seq.index, list(seq.token_ids), seq.num_computed_tokens if data is not None else 0, seq.output_text,
+            list(seq.logprobs) if seq.logprobs is not None else None, seq.finish_reason, seq.stop_reason,
+            seq.generator.get_state() if seq.generator is not None else None, seq._sent_tokens,
+            seq._sent_text_len, data))
+    state = RequestState(request_id, group.prompt, list(group.prompt_token_ids), group.params, group.priority,
+                         group.arrival_time, group.forked, engine._output_kind.get(request_id, "final"), B, seqs)
+    for seq in group.seqs:
+        if not seq.is_finished:
+            engine.scheduler.finish(seq, "migrated")
+    engine.groups.pop(request_id)
+    engine._output_kind.pop(request_id, None)
+    return state
+
+
+def import_request(engine, state: RequestState) -> str:
+    """Admit an exported request: its KV into the swap space (resumed by the next swap-in),
+    or, without room there, queued to recompute. Raises InvalidRequestError if it cannot run here."""
+    rid = state.request_id
+    if rid in engine.groups:
+        raise InvalidRequestError(f"request id {rid!r} is already in use")
+    if state.block_size != engine.config.block_size:
+        raise InvalidRequestError(f"block size {state.block_size} differs from this engine's "
+                                  f"{engine.config.block_size}")
+    longest = max(len(s.token_ids) for s in state.seqs)
+    max_len = min(len(state.prompt_token_ids) + state.params.max_tokens, engine.max_model_len)
+    if longest >= engine.max_model_len or engine.kv.max_blocks_per_seq(max_len) > engine.num_kv_blocks:
+        raise InvalidRequestError(f"request {rid!r} cannot fit in this engine's KV cache")
+    shape = tuple(engine.runner.kv_cache.shape[i] for i in (0, 1, 3, 4, 5))
+    for s in state.seqs:
+        if s.kv is not None and tuple(s.kv.shape[i] for i in (0, 1, 3, 4, 5)) != shape:
+            raise InvalidRequestError(f"KV of shape {tuple(s.kv.shape)} does not fit this model's cache {shape}")
+    group = SequenceGroup(rid, state.prompt_token_ids, state.params, state.arrival_time, state.priority, state.prompt)
+    group.forked = state.forked
+    group.seqs = []
+    for s in state.seqs:
+        seq = Sequence(group, s.index, s.token_ids)
+        seq.output_text, seq.finish_reason, seq.stop_reason = s.output_text, s.finish_reason, s.stop_reason
+        seq.logprobs = list(s.logprobs) if s.logprobs is not None else None
+        seq._sent_tokens, seq._sent_text_len = s.sent_tokens, s.sent_text_len
+        if s.rng_state is not None:
+            seq.generator = torch.Generator(device="cpu")
+            seq.generator.set_state(s.rng_state)
+        group.seqs.append(seq)
+    engine.groups[rid] = group
+    engine._output_kind[rid] = state.output_kind
+    for seq, s in zip(group.seqs, state.seqs):
+        if seq.finish_reason is not None:
+            seq.status = SequenceStatus.FINISHED
+            continue
+        host = None
+        if s.kv is not None and hasattr(engine.kv, "swap"):
+            host = engine.kv.swap.adopt(seq.seq_id, s.kv.shape[2])
+        if host is None:  # no swap space here (or no KV yet): recompute from the tokens
+            engine.scheduler.requeue(seq)
+            continue
+        engine.runner.host_cache.index_copy_(2, torch.tensor(host, dtype=torch.long),
+                                             s.kv.to(engine.runner.host_cache.dtype))
+        seq.num_computed_tokens = s.num_computed_tokens
+        engine.scheduler.add_swapped(seq)
+    return rid
