@@ -124,12 +124,16 @@ def test_contiguous_first_fit_and_waste():
 
 
 class PagedMachine(RuleBasedStateMachine):
-    """Random allocate / append / fork / free / abort / preempt sequences."""
+    """Random allocate / append / fork / free / abort / preempt (recompute or swap) /
+    swap-in / export-import sequences, across two managers (two engines)."""
 
     def __init__(self):
         super().__init__()
-        self.kv = PagedKVManager(num_blocks=16, block_size=4)
+        self.kv = PagedKVManager(num_blocks=16, block_size=4, num_cpu_blocks=10)
+        self.other = PagedKVManager(num_blocks=16, block_size=4, num_cpu_blocks=10)  # an import target
         self.live: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self.moved: list[Sequence] = []  # imported into self.other, held in its swap space
 
     @rule(prompt=st.lists(st.integers(0, 2), min_size=1, max_size=30), chunk=st.integers(1, 12))
     def admit(self, prompt, chunk):
@@ -183,15 +187,58 @@ class PagedMachine(RuleBasedStateMachine):
             self.kv.cache_blocks(s)
             self.live.append(s)
 
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 100))
+    def swap_out(self, i):  # swap preemption; a swap-out that cannot fit falls back to recompute
+        s = self.live.pop(i % len(self.live))
+        free_host = self.kv.swap.num_free
+        if self.kv.swap_out(s):
+            assert self.kv.swap.num_free == free_host - len(self.kv.swap.tables[s.seq_id])
+            self.swapped.append(s)
+        else:
+            assert self.kv.swap.num_free == free_host and s.seq_id in self.kv.tables
+            self.kv.free(s)
+        self.kv.take_swaps()  # the step runs its copies
+
+    @precondition(lambda self: self.swapped)
+    @rule(i=st.integers(0, 100))
+    def swap_in(self, i):
+        s = self.swapped[i % len(self.swapped)]
+        if self.kv.swap_in(s):
+            self.swapped.remove(s)
+            self.live.append(s)
+        self.kv.take_swaps()
+
+    @precondition(lambda self: self.swapped)
+    @rule(i=st.integers(0, 100))
+    def export_import(self, i):  # export frees it here; the importer adopts host blocks or recomputes
+        s = self.swapped.pop(i % len(self.swapped))
+        n = self.kv.swapped_blocks(s)
+        self.kv.free(s)
+        if self.other.swap.adopt(s.seq_id, n) is not None:
+            self.moved.append(s)
+
+    @precondition(lambda self: self.swapped)
+    @rule(i=st.integers(0, 100))
+    def abort_swapped(self, i):
+        self.kv.free(self.swapped.pop(i % len(self.swapped)))
+
     @invariant()
     def consistent(self):
-        self.kv.check_invariants(self.live)
+        self.kv.check_invariants(self.live + self.swapped)
+        self.other.check_invariants(self.moved)
+        assert self.kv.swap.num_free >= 0 and sum(map(len, self.kv.swap.tables.values())) <= 10, "over-committed"
 
     def teardown(self):
-        for s in self.live:
+        for s in self.live + self.swapped:
             self.kv.free(s)
-        self.kv.check_invariants([])
-        assert self.kv.num_free_blocks == self.kv.num_blocks, "blocks leaked"
+        for s in self.moved:
+            self.other.free(s)
+        self.kv.take_swaps()
+        for kv in (self.kv, self.other):
+            kv.check_invariants([])
+            assert kv.num_free_blocks == kv.num_blocks, "device blocks leaked"
+            assert kv.swap.num_free == kv.swap.num_blocks, "host blocks leaked"
 
 
 TestPagedMachine = PagedMachine.TestCase
