@@ -186,10 +186,21 @@ def swap_blocks(
     block_mapping: torch.Tensor,  # [num_pairs, 2] int (src block, dst block)
     block_dim: int = 0,  # 0 for one layer's cache; 2 for the engine's [layers, k|v, blocks, ...] cache
 ) -> None:
-    """Copy blocks between devices (device <-> host) for every layer at once: one gather,
-    one transfer, one scatter, however many blocks and layers."""
-    if block_mapping.numel() == 0:
+    """Copy blocks between devices (device <-> host) for every layer in one call.
+
+    Pairs are coalesced into runs that are consecutive on both sides, and each run
+    is one slice copy (a memcpy per layer, asynchronous from pinned memory): no
+    gather into a temporary, so the bytes move once.
+    """
+    pairs = block_mapping.tolist()
+    if not pairs:
         return
-    s = block_mapping[:, 0].to(torch.long).to(src.device)
-    d = block_mapping[:, 1].to(torch.long).to(dst.device)
-    dst.index_copy_(block_dim, d, src.index_select(block_dim, s).to(dst.device, non_blocking=True))
+    pairs.sort()
+    runs: list[list[int]] = []  # [src start, dst start, length]
+    for s, d in pairs:
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    for s, d, n in runs:
+        dst.narrow(block_dim, d, n).copy_(src.narrow(block_dim, s, n), non_blocking=True)

@@ -91,6 +91,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.timings = StepTimings()
         self.swap_bytes = 0
+        self.swap_calls = 0  # steps that swapped
 
     # ---- setup helpers -----------------------------------------------------------------
     @staticmethod
@@ -207,6 +208,7 @@ class LLMEngine:
             ts = time.perf_counter() - t1
             self.timings.swap += ts
             self.swap_bytes += moved
+            self.swap_calls += 1
             self.rates.swap_bytes_per_s = PreemptionRates.ema(self.rates.swap_bytes_per_s, moved / max(ts, 1e-9))
             t1 = time.perf_counter()
         self.runner.copy_blocks(sched.block_copies)
@@ -335,6 +337,7 @@ class LLMEngine:
             swapped_out_blocks=st.swapped_out_blocks,
             swapped_in_blocks=st.swapped_in_blocks,
             swap_bytes=self.swap_bytes,
+            swap_calls=self.swap_calls,
             swap_seconds=self.timings.swap,
             prefix_cache_queries=getattr(kv, "prefix_queries", 0),
             prefix_cache_hits=getattr(kv, "prefix_hits", 0),

@@ -34,6 +34,7 @@ class EngineStats:
     swapped_out_blocks: int
     swapped_in_blocks: int
     swap_bytes: int  # bytes moved either way
+    swap_calls: int  # steps that moved blocks
     swap_seconds: float
     prefix_cache_queries: int  # blocks looked up
     prefix_cache_hits: int  # blocks found
