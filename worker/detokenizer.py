@@ -9,6 +9,13 @@ from folio.worker.sequence import Sequence
 _PROMPT_CONTEXT = 4  # prompt tokens fed to the stream so the first output token decodes in context
 
 
+def load_tokenizer(path: str):
+    """The checkpoint's own tokenizer (a fast one: its backend drives the streams below)."""
+    from transformers import AutoTokenizer  # heavy import, only when an engine is built
+
+    return AutoTokenizer.from_pretrained(path)
+
+
 class Detokenizer:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer

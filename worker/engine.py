@@ -8,18 +8,16 @@ Not thread-safe: one caller drives it.
 from __future__ import annotations
 
 import itertools
-import json
-import os
 import time
 import torch
 
 from folio.worker.block_manager import KVCacheManager, PagedKVManager
 from folio.worker.contiguous_kv import ContiguousKVManager
 from folio.worker.config import EngineConfig
-from folio.worker.detokenizer import Detokenizer
+from folio.worker.detokenizer import Detokenizer, load_tokenizer
 from folio.worker.errors import ConfigError, InvalidRequestError
 from folio.worker.model_runner import ModelRunner
-from folio.worker.models.config import ModelConfig
+from folio.worker.models.config import ModelConfig, generation_eos_ids
 from folio.worker.models.loader import load_model
 from folio.worker.outputs import OUTPUT_KINDS, make_request_output
 from folio.worker.migration import RequestState, export_request, import_request
@@ -27,6 +25,7 @@ from folio.worker.preemption import PreemptionRates
 from folio.worker.sampler import sample
 from folio.worker.sampling_params import SamplingParams
 from folio.worker.scheduler import Scheduler
+from folio.worker.sizing import size_engine
 from folio.worker.sequence import RequestOutput, Sequence, SequenceGroup
 from folio.worker.stats import EngineStats, StepTimings
 
@@ -46,22 +45,13 @@ class LLMEngine:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         mc = self.model_config
-        self.max_model_len = self._resolve_max_model_len(config, mc)
+        sizes = size_engine(config, mc)
+        self.max_model_len = sizes.max_model_len
+        self.max_num_batched_tokens = sizes.max_num_batched_tokens
+        self.num_kv_blocks = sizes.num_kv_blocks
+        self.num_cpu_blocks = sizes.num_cpu_blocks
         self.device = torch.device(config.device)
         dtype = config.torch_dtype
-        self.num_kv_blocks = config.num_kv_blocks or self._blocks_for_memory(config, mc)
-        self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, self.max_model_len)
-        if not config.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ConfigError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
-
-        bytes_per_block = mc.kv_bytes_per_token(dtype.itemsize) * config.block_size
-        self.num_cpu_blocks = 0
-        if config.kv_manager == "paged" and config.preemption_mode != "recompute":
-            # swap_space_gb, capped at 4x the device blocks: more would only let more requests
-            # sit swapped rather than waiting, and the host block bookkeeping grows with it
-            self.num_cpu_blocks = (config.num_cpu_blocks if config.num_cpu_blocks is not None
-                                   else min(int(config.swap_space_gb * (1 << 30)) // bytes_per_block,
-                                            4 * self.num_kv_blocks))
         if config.kv_manager == "paged":
             self.kv: KVCacheManager = PagedKVManager(self.num_kv_blocks, config.block_size,
                                                      config.enable_prefix_caching, num_cpu_blocks=self.num_cpu_blocks)
@@ -74,14 +64,14 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.enable_chunked_prefill,
                                    watermark_blocks=int(config.watermark * self.num_kv_blocks),
-                                   preemption_mode=config.preemption_mode, kv_bytes_per_block=bytes_per_block,
+                                   preemption_mode=config.preemption_mode, kv_bytes_per_block=sizes.bytes_per_block,
                                    rates=self.rates)
         self.model = load_model(config.model, dtype, self.device, self.max_model_len, mc)
         self.runner = ModelRunner(self.model, self.num_kv_blocks, config.block_size, dtype, self.device,
                                   self.num_cpu_blocks)
-        self.tokenizer = _load_tokenizer(config.tokenizer)
+        self.tokenizer = load_tokenizer(config.tokenizer)
         self.detokenizer = Detokenizer(self.tokenizer)
-        self.eos_token_ids = set(mc.eos_token_ids) | _generation_eos(config.model)
+        self.eos_token_ids = set(mc.eos_token_ids) | generation_eos_ids(config.model)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.groups: dict[str, SequenceGroup] = {}
@@ -92,28 +82,6 @@ class LLMEngine:
         self.timings = StepTimings()
         self.swap_bytes = 0
         self.swap_calls = 0  # steps that swapped
-
-    # ---- setup helpers -----------------------------------------------------------------
-    @staticmethod
-    def _resolve_max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
-        limit = mc.max_position_embeddings
-        if mc.sliding_window is not None:
-            # Within the window, sliding-window attention equals full attention.
-            limit = min(limit, mc.sliding_window)
-        if config.max_model_len is None:
-            return limit
-        if not 1 < config.max_model_len <= limit:
-            raise ConfigError(f"max_model_len {config.max_model_len} must be in (1, {limit}] for this model "
-                              "(max_position_embeddings / sliding_window)")
-        return config.max_model_len
-
-    @staticmethod
-    def _blocks_for_memory(config: EngineConfig, mc: ModelConfig) -> int:
-        per_block = mc.kv_bytes_per_token(config.torch_dtype.itemsize) * config.block_size
-        n = int(config.kv_cache_memory_gb * (1 << 30)) // per_block
-        if n < 1:
-            raise ConfigError("kv_cache_memory_gb is too small for one KV block")
-        return n
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
@@ -344,18 +312,3 @@ class LLMEngine:
             num_steps=self.num_steps,
             num_generated_tokens=self.num_generated_tokens,
         )
-
-
-def _load_tokenizer(path: str):
-    from transformers import AutoTokenizer  # heavy import, only when an engine is built
-
-    return AutoTokenizer.from_pretrained(path)
-
-
-def _generation_eos(path: str) -> set[int]:
-    f = os.path.join(path, "generation_config.json")
-    if not os.path.isfile(f):
-        return set()
-    with open(f) as fh:
-        eos = json.load(fh).get("eos_token_id")
-    return {eos} if isinstance(eos, int) else set(eos or [])

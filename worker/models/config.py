@@ -101,3 +101,13 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def generation_eos_ids(path: str) -> set[int]:
+    """EOS ids from the checkpoint's generation_config.json, if it has one."""
+    f = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(f):
+        return set()
+    with open(f) as fh:
+        eos = json.load(fh).get("eos_token_id")
+    return {eos} if isinstance(eos, int) else set(eos or [])
