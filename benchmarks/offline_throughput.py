@@ -32,13 +32,14 @@ from folio.worker import LLM, SamplingParams  # noqa: E402
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def make_workload(n: int, vocab: int, max_model_len: int, seed: int) -> list[tuple[list[int], int]]:
+def make_workload(n: int, vocab: int, max_model_len: int, seed: int,
+                  max_prompt: int = 1536, max_output: int = 512) -> list[tuple[list[int], int]]:
     """(prompt token ids, output length) pairs; log-normal lengths, clipped to fit max_model_len."""
     rng = random.Random(seed)
     reqs = []
     for _ in range(n):
-        p = int(min(max(rng.lognormvariate(4.6, 0.9), 8), 1536))  # median ~100, long tail
-        o = int(min(max(rng.lognormvariate(4.2, 0.9), 8), 512))  # median ~67, long tail
+        p = int(min(max(rng.lognormvariate(4.6, 0.9), 8), max_prompt))  # median ~100, long tail
+        o = int(min(max(rng.lognormvariate(4.2, 0.9), 8), max_output))  # median ~67, long tail
         o = min(o, max_model_len - p)
         reqs.append(([rng.randrange(16, vocab) for _ in range(p)], o))
     return reqs
@@ -176,7 +177,9 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    n = args.num_requests or (24 if args.quick else 200)
+    # quick: a one-minute smoke run for `make run` (tails clipped so one long request does
+    # not decide it); the README's figures come from the full run
+    n = args.num_requests or (64 if args.quick else 200)
     n_hf = args.hf_requests or (8 if args.quick else 48)
     budgets = [int(x) for x in args.kv_tokens.split(",")]
     if args.quick:
@@ -184,7 +187,8 @@ def main() -> int:
     from folio.worker.models.config import ModelConfig
 
     mc = ModelConfig.from_dir(args.model)
-    reqs = make_workload(n, mc.vocab_size, args.max_model_len, args.seed)
+    reqs = (make_workload(n, mc.vocab_size, args.max_model_len, args.seed, max_prompt=256, max_output=96)
+            if args.quick else make_workload(n, mc.vocab_size, args.max_model_len, args.seed))
     print(f"workload: {n} requests, prompt median {statistics.median(len(p) for p, _ in reqs)}, "
           f"output median {statistics.median(o for _, o in reqs)}; KV budgets {budgets} tokens", flush=True)
 
