@@ -26,7 +26,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     preemption_mode: str = "auto"  # "auto" | "recompute" | "swap" (see worker/preemption.py)
-    swap_space_gb: float = 4.0  # CPU memory for swapped-out KV (pinned on CUDA)
+    swap_space_gb: float = 4.0  # CPU memory for swapped-out KV (pinned on CUDA), at most the device cache's size
     num_cpu_blocks: int | None = None  # overrides swap_space_gb, in blocks
     watermark: float = 0.01  # fraction of blocks kept free when admitting (anti-thrash)
     seed: int = 0  # seed for requests that carry none

@@ -44,9 +44,9 @@ class ModelRunner:
                                     dtype=dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(c.num_layers)]
         # Swap space, same layout; pinned so device <-> host copies run at full speed on CUDA.
-        # Left uncommitted on CPU (torch.empty): a 4 GiB swap space costs no RAM until used.
-        # (Zeroing it up front moved swap speed by less than this machine's noise.)
-        self.host_cache = torch.empty(c.num_layers, 2, num_cpu_blocks, block_size, c.num_kv_heads, c.head_dim,
+        # Committed up front (zeroed), as pinning does on CUDA: left to first-touch page
+        # faults, swap-outs ran at 15-34 % of a plain copy instead of 29-48 % (preemption.py).
+        self.host_cache = torch.zeros(c.num_layers, 2, num_cpu_blocks, block_size, c.num_kv_heads, c.head_dim,
                                       dtype=dtype, pin_memory=device.type == "cuda")
         self.bytes_per_block = self.kv_cache[:, :, 0].numel() * self.kv_cache.element_size()
 

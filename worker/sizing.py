@@ -45,8 +45,9 @@ def size_engine(config: EngineConfig, mc: ModelConfig) -> EngineSizes:
         raise ConfigError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
     num_cpu_blocks = 0
     if config.kv_manager == "paged" and config.preemption_mode != "recompute":
-        # swap_space_gb, capped at 4x the device blocks: more would only let more requests
-        # sit swapped rather than waiting, and the host block bookkeeping grows with it
+        # swap_space_gb, capped at the device cache's size unless num_cpu_blocks says more:
+        # the swap space is committed up front (model_runner.py), and more host blocks
+        # than device blocks mostly let requests sit swapped rather than waiting
         num_cpu_blocks = (config.num_cpu_blocks if config.num_cpu_blocks is not None
-                          else min(int(config.swap_space_gb * (1 << 30)) // bytes_per_block, 4 * num_kv_blocks))
+                          else min(int(config.swap_space_gb * (1 << 30)) // bytes_per_block, num_kv_blocks))
     return EngineSizes(length, budget, num_kv_blocks, num_cpu_blocks, bytes_per_block)
