@@ -26,7 +26,7 @@ class ContiguousKVManager:
         return [], 0
 
     def cache_blocks(self, seq: Sequence) -> None:
-        pass
+        """The baseline has no prefix cache: nothing to register."""
 
     def _reserve(self) -> list[int] | None:
         n = self.reserve_blocks
