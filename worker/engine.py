@@ -26,7 +26,7 @@ from folio.worker.sampler import sample
 from folio.worker.sampling_params import SamplingParams
 from folio.worker.scheduler import Scheduler
 from folio.worker.sizing import size_engine
-from folio.worker.sequence import RequestOutput, Sequence, SequenceGroup
+from folio.worker.sequence import RequestOutput, Sequence, SequenceGroup, SequenceStatus
 from folio.worker.stats import EngineStats, StepTimings
 
 
@@ -152,6 +152,31 @@ class LLMEngine:
     def import_request(self, state: RequestState) -> str:
         """Admit a request exported by another engine; it resumes from its KV. See migration.py."""
         return import_request(self, state)
+
+    def preempt_request(self, request_id: str) -> bool:
+        """Preempt a running request now (swap or recompute, per the preemption mode), between
+        steps; it resumes when the scheduler finds room. False if it is not running here."""
+        group = self.groups.get(request_id)
+        running = [s for s in group.seqs if s.status is SequenceStatus.RUNNING] if group else []
+        for seq in running:
+            self.scheduler.preempt(seq)
+        return bool(running)
+
+    def request_summaries(self) -> list[tuple[str, str, int, float, int]]:
+        """(request id, "running" | "waiting" | "swapped", priority, arrival (monotonic), device
+        blocks held or needed) for every unfinished request: what the coordinator plans with."""
+        out = []
+        for rid, group in self.groups.items():
+            live = [s for s in group.seqs if not s.is_finished]
+            if not live:
+                continue
+            states = {s.status for s in live}
+            state = ("running" if SequenceStatus.RUNNING in states
+                     else "swapped" if SequenceStatus.SWAPPED in states else "waiting")
+            blocks = sum(len(self.kv.block_table(s)) if s.status is SequenceStatus.RUNNING
+                         else self.kv.max_blocks_per_seq(s.num_tokens + 1) for s in live)
+            out.append((rid, state, group.priority, group.arrival_time, blocks))
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)

@@ -15,3 +15,13 @@ class ModelLoadError(FolioError):
 
 class ConfigError(FolioError, ValueError):
     """The engine configuration is inconsistent."""
+
+
+class UnavailableError(FolioError):
+    """No worker can take the request: none alive, or the one serving it died or is draining
+    (HTTP 503 / gRPC UNAVAILABLE)."""
+
+
+class WorkerFailedError(UnavailableError):
+    """The worker running a request died or its engine failed after tokens were streamed:
+    the request cannot be resumed elsewhere without repeating or losing tokens."""

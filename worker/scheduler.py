@@ -133,6 +133,11 @@ class Scheduler:
         seq.status = SequenceStatus.SWAPPED
         self.swapped.append(seq)
 
+    def preempt(self, seq: Sequence) -> None:
+        """Preempt a running sequence between steps (an order from the cluster's coordinator)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self._preempt(seq, allocated_this_step=False)
+
     def _preempt(self, seq: Sequence, allocated_this_step: bool) -> None:
         """Swap `seq` out or drop its KV, per the preemption mode; it leaves the batch."""
         self.running.remove(seq)

@@ -1,0 +1,174 @@
+"""Starting and stopping a Folio cluster: Ray, Redis, the workers, the coordinator, a router.
+
+    cluster = FolioCluster(ClusterConfig(model=DIR, num_workers=2))
+    cluster.start()                          # Ray (local, or --address), Redis, actors
+    async for chunk in cluster.router.generate(GenerateRequest(...)): ...
+    cluster.shutdown(grace_s=10)             # stop admitting, drain, release everything
+
+One worker actor per GPU (`num_gpus=1`; on a CPU-only machine `ray.init(num_gpus=N)`
+declares logical GPUs and each worker runs its engine on the CPU). Without a
+`redis_url` the cluster starts an embedded Redis server it owns and stops it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+from folio.cluster.coordinator import CoordinatorActor  # noqa: E402
+from folio.cluster.redis_server import EmbeddedRedis  # noqa: E402
+from folio.cluster.router import Router  # noqa: E402
+from folio.cluster.state import ClusterState, WorkerPublisher  # noqa: E402
+from folio.cluster.worker_client import RayWorkerClient, actor_name  # noqa: E402
+from folio.worker.actor import EngineWorker  # noqa: E402
+from folio.worker.config import EngineConfig  # noqa: E402
+from folio.worker.errors import ConfigError, UnavailableError  # noqa: E402
+
+
+@dataclass
+class ClusterConfig:
+    model: str
+    num_workers: int = 2
+    redis_url: str | None = None  # None: an embedded Redis server owned by the cluster
+    router: str = "least-loaded"
+    address: str | None = None  # join this Ray cluster instead of starting one
+    namespace: str = "folio"  # Redis key prefix and actor-name prefix
+    engine: dict = field(default_factory=dict)  # EngineConfig fields for every worker
+    worker_num_cpus: float = 0.5  # fractional: several workers share this machine's cores
+    torch_threads: int | None = None  # per worker (None: cores / workers)
+    heartbeat_s: float = 0.1
+    coordinator_interval_s: float = 0.1
+    coordinator: bool = True
+    ready_timeout_s: float = 180.0
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ConfigError("num_workers must be >= 1")
+        EngineConfig(model=self.model, **self.engine)  # checks the engine fields up front
+
+
+def make_engine(config: EngineConfig, torch_threads: int | None):
+    """Runs inside the worker actor: the engine on this worker's GPU, or the CPU."""
+    import torch
+
+    from folio.worker.engine import LLMEngine
+
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
+    if config.device == "auto":
+        config.device = "cuda" if torch.cuda.is_available() else "cpu"
+    return LLMEngine(config)
+
+
+class FolioCluster:
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.redis: EmbeddedRedis | None = None
+        self.redis_url = config.redis_url
+        self.workers: dict[str, object] = {}  # worker id -> actor handle
+        self.coordinator = None
+        self.router: Router | None = None
+        self.state: ClusterState | None = None
+        self._started_ray = False
+
+    # ---- start ------------------------------------------------------------------------
+    def start(self) -> "FolioCluster":
+        import ray
+
+        cfg = self.config
+        if not ray.is_initialized():
+            if cfg.address:
+                ray.init(address=cfg.address, namespace=cfg.namespace, log_to_driver=False)
+            else:
+                ray.init(num_gpus=cfg.num_workers, num_cpus=max(os.cpu_count() or 1, 2), namespace=cfg.namespace,
+                         include_dashboard=False, log_to_driver=False,
+                         _temp_dir=tempfile.mkdtemp(prefix="folio-ray-", dir="/tmp"))
+            self._started_ray = True
+        if self.redis_url is None:
+            self.redis = EmbeddedRedis().start()
+            self.redis_url = self.redis.url
+        self.state = ClusterState(self.redis_url, cfg.namespace)
+        threads = cfg.torch_threads or max((os.cpu_count() or 1) // cfg.num_workers, 1)
+        engine_fields = {"device": "auto", **cfg.engine}
+        Worker = ray.remote(EngineWorker)
+        for i in range(cfg.num_workers):
+            self.start_worker(f"w{i}", Worker, engine_fields, threads)
+        self.wait_ready(cfg.num_workers)
+        client = RayWorkerClient(cfg.namespace, cfg.namespace)
+        if cfg.coordinator:
+            self.coordinator = ray.remote(CoordinatorActor).options(
+                num_cpus=0.05, name=f"{cfg.namespace}-coordinator", namespace=cfg.namespace).remote(
+                self.redis_url, cfg.namespace, cfg.namespace, interval_s=cfg.coordinator_interval_s)
+            ray.get(self.coordinator.start.remote())
+        self.router = Router(ClusterState(self.redis_url, cfg.namespace), client, cfg.router)
+        return self
+
+    def start_worker(self, wid: str, Worker, engine_fields: dict, threads: int):
+        cfg = self.config
+        engine_config = EngineConfig(model=os.path.abspath(cfg.model), **engine_fields)
+        handle = Worker.options(name=actor_name(cfg.namespace, wid), namespace=cfg.namespace, num_gpus=1,
+                                num_cpus=cfg.worker_num_cpus, max_concurrency=1000, max_restarts=0).remote(
+            wid, functools.partial(make_engine, engine_config, threads),
+            functools.partial(WorkerPublisher, self.redis_url, cfg.namespace), cfg.heartbeat_s)
+        self.workers[wid] = handle
+        return handle
+
+    def wait_ready(self, n: int) -> None:
+        import ray
+
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        while len(self.state.live_loads()) < n:
+            for wid, h in self.workers.items():  # surface a worker that failed to start
+                ready, _ = ray.wait([h.ping.remote()], timeout=0)
+                if ready:
+                    ray.get(ready[0])
+            if time.monotonic() > deadline:
+                raise UnavailableError(f"only {len(self.state.live_loads())} of {n} workers came up")
+            time.sleep(0.1)
+
+    # ---- stop -------------------------------------------------------------------------
+    def shutdown(self, grace_s: float = 10.0) -> None:
+        """Stop admitting, let in-flight requests finish for `grace_s`, abort the rest,
+        then release the actors, Redis (if owned) and Ray (if started here)."""
+        import ray
+
+        if self.coordinator is not None:
+            try:
+                ray.get(self.coordinator.stop.remote(), timeout=5)
+            except Exception:
+                pass
+            ray.kill(self.coordinator)
+            self.coordinator = None
+        drains = [h.drain.remote(grace_s) for h in self.workers.values()]
+        try:
+            ray.get(drains, timeout=grace_s + 10)
+        except Exception:
+            pass
+        pub = None
+        try:
+            pub = WorkerPublisher(self.redis_url, self.config.namespace)
+        except Exception:
+            pass
+        for wid, h in self.workers.items():
+            try:
+                ray.get(h.shutdown.remote(), timeout=5)
+            except Exception:
+                pass
+            ray.kill(h)
+            if pub is not None:
+                try:
+                    pub.withdraw(wid)
+                except Exception:
+                    pass
+        self.workers.clear()
+        if self.redis is not None:
+            self.redis.stop()
+            self.redis = None
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False

@@ -1,0 +1,115 @@
+"""The coordinator: preempts across GPUs and resumes requests wherever there is room.
+
+Every `interval_s` it reads the cluster state (Redis), plans with the pure policy in
+placement.py, and carries out each move: export on the source (the request's KV to
+CPU tensors, its stream there ends with `migrated_to`), import on the destination
+through the Ray object store (into the destination's swap space, after swapping out
+any victims there); the destination's next swap-in resumes decoding and the router
+re-attaches the client's stream. Moves run concurrently; a failed move is counted
+and the request stays where it was.
+
+`Coordinator` is plain asyncio (the simulated cluster runs it in-process);
+`CoordinatorActor` is the same thing as a Ray actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from folio.cluster.placement import Move, plan_moves
+from folio.cluster.state import ClusterState
+from folio.cluster.worker_client import WorkerClient
+from folio.worker.errors import FolioError
+
+log = logging.getLogger("folio.coordinator")
+
+
+class Coordinator:
+    def __init__(self, state: ClusterState, client: WorkerClient, interval_s: float = 0.1,
+                 cooldown_s: float = 1.0, headroom: float = 0.05, max_moves: int = 8) -> None:
+        self.state = state
+        self.client = client
+        self.interval_s = interval_s
+        self.cooldown_s = cooldown_s
+        self.headroom = headroom
+        self.max_moves = max_moves
+        self.last_moved: dict[str, float] = {}
+        self.num_moves = 0
+        self.num_failed_moves = 0
+        self.num_preempted = 0
+        self.rounds = 0
+        self._task: asyncio.Task | None = None
+
+    async def round(self) -> list[Move]:
+        """One look at the cluster and the moves it called for (done by the time it returns)."""
+        self.rounds += 1
+        try:
+            loads = await asyncio.to_thread(self.state.live_loads)
+        except Exception as e:  # Redis away: nothing to plan with until it is back
+            log.debug("cluster state unavailable: %s", e)
+            return []
+        now = time.monotonic()
+        moves = plan_moves(loads, now, self.last_moved, self.cooldown_s, self.headroom, self.max_moves)
+        results = await asyncio.gather(*(self._move(m) for m in moves))
+        cutoff = now - 10 * self.cooldown_s
+        self.last_moved = {r: t for r, t in self.last_moved.items() if t > cutoff}
+        return [m for m, ok in zip(moves, results) if ok]
+
+    async def _move(self, m: Move) -> bool:
+        self.last_moved[m.request_id] = time.monotonic()
+        try:
+            await self.client.move(m.source, m.destination, m.request_id, m.preempt)
+        except FolioError as e:  # finished meanwhile, or the destination refused / died
+            self.num_failed_moves += 1
+            log.info("move of %s from %s to %s failed: %s", m.request_id, m.source, m.destination, e)
+            return False
+        self.num_moves += 1
+        self.num_preempted += len(m.preempt)
+        return True
+
+    async def run(self) -> None:
+        while True:
+            t0 = time.monotonic()
+            try:
+                await self.round()
+            except Exception:
+                log.exception("coordinator round failed")
+            await asyncio.sleep(max(self.interval_s - (time.monotonic() - t0), 0.0))
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self.run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    def stats(self) -> dict:
+        return {"moves": self.num_moves, "failed_moves": self.num_failed_moves,
+                "preempted_for_moves": self.num_preempted, "rounds": self.rounds}
+
+
+class CoordinatorActor:
+    """The Ray actor around Coordinator (see folio.cluster.app for its options)."""
+
+    def __init__(self, redis_url: str, namespace: str, ray_namespace: str | None = None, **kw) -> None:
+        from folio.cluster.worker_client import RayWorkerClient
+
+        self.coordinator = Coordinator(ClusterState(redis_url, namespace),
+                                       RayWorkerClient(namespace, ray_namespace), **kw)
+
+    async def start(self) -> None:
+        self.coordinator.start()
+
+    async def stop(self) -> None:
+        await self.coordinator.stop()
+
+    async def stats(self) -> dict:
+        return self.coordinator.stats()

@@ -1,0 +1,61 @@
+"""Routing policies: pure functions from live load figures to a worker id.
+
+Load score (lower is better): the fraction of a worker's KV cache that its current
+and queued work needs, blocks in use plus queued prompt tokens in blocks, plus the
+requests the router sent since that worker's last heartbeat (so a burst between two
+heartbeats does not pile onto one worker).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+POLICIES = ("round-robin", "least-loaded", "power-of-two", "prefix-aware")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    worker_id: str
+    num_kv_blocks: int
+    num_free_blocks: int
+    queued_tokens: int  # prompt tokens not yet computed, heartbeat + sent since
+    num_waiting: int
+    num_swapped: int
+    block_size: int
+
+    @property
+    def load(self) -> float:
+        used = self.num_kv_blocks - self.num_free_blocks
+        queued = -(-self.queued_tokens // self.block_size)
+        return (used + queued) / max(self.num_kv_blocks, 1) + 0.01 * (self.num_waiting + self.num_swapped)
+
+
+def round_robin(cands: list[Candidate], counter: int) -> str:
+    ids = sorted(c.worker_id for c in cands)
+    return ids[counter % len(ids)]
+
+
+def least_loaded(cands: list[Candidate]) -> str:
+    return min(cands, key=lambda c: (c.load, c.worker_id)).worker_id
+
+
+def power_of_two(cands: list[Candidate], rng: random.Random) -> str:
+    """Two workers at random, the less loaded of them: near least-loaded balance with
+    stale figures, without every router herding onto the same minimum."""
+    if len(cands) == 1:
+        return cands[0].worker_id
+    a, b = rng.sample(cands, 2)
+    return a.worker_id if (a.load, a.worker_id) <= (b.load, b.worker_id) else b.worker_id
+
+
+def prefix_aware(cands: list[Candidate], matches: dict[str, int], imbalance: float = 0.25) -> str:
+    """The worker holding the longest cached prefix of the prompt, while its load is within
+    `imbalance` of the least-loaded worker's; otherwise (or with no match) least-loaded."""
+    fallback = min(cands, key=lambda c: (c.load, c.worker_id))
+    best = max(matches.get(c.worker_id, 0) for c in cands)
+    if best == 0:
+        return fallback.worker_id
+    holders = [c for c in cands if matches.get(c.worker_id, 0) == best]
+    pick = min(holders, key=lambda c: (c.load, c.worker_id))
+    return pick.worker_id if pick.load - fallback.load <= imbalance else fallback.worker_id

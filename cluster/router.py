@@ -1,0 +1,163 @@
+"""The global router: picks a worker for every request and carries its stream to the end.
+
+- Load figures come from the cluster state (Redis), cached for `refresh_s`; requests
+  routed since a worker's last heartbeat count toward its load (policies.py).
+- A request is never sent to a dead worker (no live heartbeat key, or a call that
+  failed with the actor gone); with none alive the caller gets UnavailableError.
+- The stream follows migrations: a chunk with `migrated_to` ends the stream on one
+  worker and the router attaches to the next, checking that token counts continue
+  exactly (no token lost or repeated).
+- A worker that dies before the request streamed any token: the request is re-run on
+  another worker. After tokens were streamed it fails with WorkerFailedError (re-running
+  would repeat them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import defaultdict
+from typing import AsyncIterator
+
+from folio.cluster.policies import (POLICIES, Candidate, least_loaded, power_of_two, prefix_aware,
+                                    round_robin)
+from folio.cluster.state import ClusterState
+from folio.cluster.worker_client import WorkerClient, WorkerDiedError
+from folio.worker.errors import ConfigError, InvalidRequestError, UnavailableError, WorkerFailedError
+from folio.worker.hashing import DEFAULT_HASH_SEED, hash_full_blocks
+from folio.worker.messages import GenerateRequest, StreamChunk, WorkerLoad
+
+DEAD_HOLD_S = 5.0  # a worker seen dying is skipped this long, whatever Redis still says
+
+
+class Router:
+    def __init__(self, state: ClusterState, client: WorkerClient, policy: str = "least-loaded",
+                 refresh_s: float = 0.05, imbalance: float = 0.25, seed: int = 0,
+                 hash_seed: bytes = DEFAULT_HASH_SEED) -> None:
+        if policy not in POLICIES:
+            raise ConfigError(f"router policy must be one of {POLICIES}, got {policy!r}")
+        self.state = state
+        self.client = client
+        self.policy = policy
+        self.refresh_s = refresh_s
+        self.imbalance = imbalance
+        self.hash_seed = hash_seed
+        self._rng = random.Random(seed)
+        self._counter = 0
+        self._loads: dict[str, WorkerLoad] = {}
+        self._loads_at = 0.0
+        self._sent: dict[str, list[tuple[float, int]]] = defaultdict(list)  # wid -> (time.time(), tokens)
+        self._dead: dict[str, float] = {}  # wid -> monotonic time it was seen dying
+        self._where: dict[str, str] = {}  # request id -> worker streaming it
+        self.decisions = 0
+        self.decision_seconds: list[float] = []  # time spent per routing decision (benchmarks)
+
+    # ---- choosing a worker --------------------------------------------------------------
+    async def live_loads(self, refresh: bool = False) -> dict[str, WorkerLoad]:
+        now = time.monotonic()
+        if refresh or now - self._loads_at > self.refresh_s:
+            self._loads = await asyncio.to_thread(self.state.live_loads)
+            self._loads_at = now
+        return {w: l for w, l in self._loads.items()
+                if not l.draining and now - self._dead.get(w, -1e9) > DEAD_HOLD_S}
+
+    def mark_dead(self, wid: str) -> None:
+        self._dead[wid] = time.monotonic()
+
+    def _candidates(self, loads: dict[str, WorkerLoad]) -> list[Candidate]:
+        out = []
+        for w, l in loads.items():
+            sent = self._sent[w]
+            sent[:] = [(t, n) for t, n in sent if t > l.timestamp]  # not yet in that heartbeat
+            out.append(Candidate(w, l.num_kv_blocks, l.num_free_blocks, l.queued_tokens + sum(n for _, n in sent),
+                                 l.num_waiting + len(sent), l.num_swapped, l.block_size))
+        return out
+
+    async def pick(self, req: GenerateRequest, exclude: set[str] = frozenset()) -> str:
+        t0 = time.perf_counter()
+        loads = {w: l for w, l in (await self.live_loads()).items() if w not in exclude}
+        if not loads:
+            loads = {w: l for w, l in (await self.live_loads(refresh=True)).items() if w not in exclude}
+        if not loads:
+            raise UnavailableError("no worker is alive to take the request")
+        cands = self._candidates(loads)
+        if self.policy == "round-robin":
+            wid = round_robin(cands, self._counter)
+            self._counter += 1
+        elif self.policy == "least-loaded":
+            wid = least_loaded(cands)
+        elif self.policy == "power-of-two":
+            wid = power_of_two(cands, self._rng)
+        else:
+            block_size = cands[0].block_size
+            hashes = hash_full_blocks(req.prompt_token_ids, block_size, self.hash_seed)
+            matches = await asyncio.to_thread(self.state.prefix_matches, [c.worker_id for c in cands], hashes) \
+                if hashes else {}
+            wid = prefix_aware(cands, matches, self.imbalance)
+        self._sent[wid].append((time.time(), len(req.prompt_token_ids)))
+        self.decisions += 1
+        self.decision_seconds.append(time.perf_counter() - t0)
+        return wid
+
+    # ---- serving a request --------------------------------------------------------------
+    async def generate(self, req: GenerateRequest, worker_id: str | None = None) -> AsyncIterator[StreamChunk]:
+        """Stream a request's chunks from whichever workers run it. `worker_id` pins the
+        first worker (operators, tests); otherwise the policy picks."""
+        if req.arrival_time is None:
+            req.arrival_time = time.time()
+        tried: set[str] = set()
+        counts: dict[int, int] = {}
+        streamed = False
+        wid = worker_id or await self.pick(req)
+        stream = self.client.generate(wid, req)
+        previous: str | None = None
+        try:
+            while True:
+                self._where[req.request_id] = wid
+                try:
+                    async for chunk in stream:
+                        for d in chunk.deltas:
+                            before = counts.get(d.index, 0)
+                            if d.num_tokens != before + len(d.token_ids):
+                                raise WorkerFailedError(f"request {req.request_id}: stream from {wid} skipped or "
+                                                        f"repeated tokens ({before} + {len(d.token_ids)} != "
+                                                        f"{d.num_tokens})")
+                            counts[d.index] = d.num_tokens
+                            streamed = streamed or bool(d.token_ids)
+                        if chunk.migrated_to is not None:
+                            await stream.aclose()
+                            previous, wid = wid, chunk.migrated_to
+                            stream = self.client.attach(wid, req.request_id)
+                            break
+                        yield chunk
+                        if chunk.finished:
+                            return
+                    else:
+                        raise WorkerFailedError(f"the stream of {req.request_id} from {wid} ended unfinished")
+                except WorkerDiedError as e:
+                    self.mark_dead(e.worker_id)
+                    tried.add(e.worker_id)
+                    if streamed:
+                        raise WorkerFailedError(f"request {req.request_id} failed: {e} after streaming tokens") \
+                            from None
+                    wid = await self.pick(req, exclude=tried)  # nothing streamed yet: run it elsewhere
+                    stream = self.client.generate(wid, req)
+                except UnavailableError:
+                    if previous is None or wid == previous:
+                        raise
+                    # the destination of a migration never got it: the move went back to the source
+                    wid, previous = previous, None
+                    stream = self.client.attach(wid, req.request_id)
+        finally:
+            self._where.pop(req.request_id, None)
+            await stream.aclose()  # a caller that went away: the worker aborts the request
+
+    async def abort(self, request_id: str) -> bool:
+        wid = self._where.get(request_id)
+        if wid is None:
+            return False
+        try:
+            return await self.client.abort(wid, request_id)
+        except (WorkerDiedError, InvalidRequestError):
+            return False

@@ -1,0 +1,165 @@
+"""The cluster state in Redis: who is alive, how loaded, which prefixes, what is swapped.
+
+Keys (all under a namespace, default "folio"):
+
+    {ns}:workers                SET     registered worker ids
+    {ns}:worker:{id}            STRING  its last WorkerLoad (JSON), TTL = ttl_s:
+                                        a worker whose key expired is dead
+    {ns}:prefix:{id}            SET     prefix block hashes cached on that worker
+                                        (worker/hashing.py, the engine's own chain)
+    {ns}:prefix_epoch:{id}      STRING  present while {ns}:prefix:{id} is complete; a
+                                        Redis restart drops it and the worker resends all
+    {ns}:swapped:{id}           HASH    request id -> JSON {blocks, priority, arrival}:
+                                        the requests in that worker's CPU swap space
+
+Everything is soft state written by heartbeats (~100 ms): after a Redis restart
+the next heartbeats rebuild it. Readers never trust a worker without a live key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import redis
+
+from folio.worker.messages import RequestSummary, WorkerLoad
+
+DEFAULT_TTL_S = 1.5
+
+
+def connect(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5, retry_on_timeout=False)
+
+
+def load_to_json(load: WorkerLoad) -> str:
+    return json.dumps(dataclasses.asdict(load))
+
+
+def load_from_json(raw: bytes | str) -> WorkerLoad:
+    d = json.loads(raw)
+    d["requests"] = [RequestSummary(**r) for r in d.get("requests", [])]
+    return WorkerLoad(**d)
+
+
+class Keys:
+    def __init__(self, namespace: str = "folio") -> None:
+        self.ns = namespace
+        self.workers = f"{namespace}:workers"
+
+    def worker(self, wid: str) -> str:
+        return f"{self.ns}:worker:{wid}"
+
+    def prefix(self, wid: str) -> str:
+        return f"{self.ns}:prefix:{wid}"
+
+    def prefix_epoch(self, wid: str) -> str:
+        return f"{self.ns}:prefix_epoch:{wid}"
+
+    def swapped(self, wid: str) -> str:
+        return f"{self.ns}:swapped:{wid}"
+
+
+class WorkerPublisher:
+    """A worker's side (worker/actor.py's LoadPublisher): one heartbeat per publish().
+
+    Prefix hashes are sent as differences from the last publish; after any error,
+    or when the epoch key is gone (Redis restarted), the whole set is sent again.
+    """
+
+    def __init__(self, url: str, namespace: str = "folio", ttl_s: float = DEFAULT_TTL_S) -> None:
+        self.r = connect(url)
+        self.keys = Keys(namespace)
+        self.ttl_ms = int(ttl_s * 1000)
+        self._published: set[bytes] | None = None  # the prefix set Redis holds, if known
+
+    def publish(self, load: WorkerLoad, cached_block_hashes: set[bytes]) -> None:
+        k, wid = self.keys, load.worker_id
+        try:
+            if self._published is not None and not self.r.exists(k.prefix_epoch(wid)):
+                self._published = None  # Redis lost it: resend everything
+            p = self.r.pipeline(transaction=True)
+            p.set(k.worker(wid), load_to_json(load), px=self.ttl_ms)
+            p.sadd(k.workers, wid)
+            if self._published is None:
+                p.delete(k.prefix(wid))
+                if cached_block_hashes:
+                    p.sadd(k.prefix(wid), *cached_block_hashes)
+                p.set(k.prefix_epoch(wid), 1)
+            else:
+                added = cached_block_hashes - self._published
+                removed = self._published - cached_block_hashes
+                if added:
+                    p.sadd(k.prefix(wid), *added)
+                if removed:
+                    p.srem(k.prefix(wid), *removed)
+            p.delete(k.swapped(wid))
+            swapped = {r.request_id: json.dumps({"blocks": r.num_blocks, "priority": r.priority,
+                                                 "arrival": r.arrival_time})
+                       for r in load.requests if r.state == "swapped"}
+            if swapped:
+                p.hset(k.swapped(wid), mapping=swapped)
+                p.pexpire(k.swapped(wid), self.ttl_ms)
+            p.execute()
+            self._published = set(cached_block_hashes)
+        except redis.RedisError:
+            self._published = None
+            raise
+
+    def withdraw(self, worker_id: str) -> None:
+        """Leave the cluster at once (clean shutdown) instead of waiting for the TTL."""
+        k = self.keys
+        self.r.delete(k.worker(worker_id), k.prefix(worker_id), k.prefix_epoch(worker_id), k.swapped(worker_id))
+        self.r.srem(k.workers, worker_id)
+
+    def close(self) -> None:
+        self.r.close()
+
+
+class ClusterState:
+    """The readers' side: the router and the coordinator."""
+
+    def __init__(self, url: str, namespace: str = "folio") -> None:
+        self.url = url
+        self.r = connect(url)
+        self.keys = Keys(namespace)
+
+    def live_loads(self) -> dict[str, WorkerLoad]:
+        """Every worker whose heartbeat key is alive, with its last load."""
+        ids = sorted(w.decode() for w in self.r.smembers(self.keys.workers))
+        if not ids:
+            return {}
+        raws = self.r.mget([self.keys.worker(w) for w in ids])
+        return {w: load_from_json(raw) for w, raw in zip(ids, raws) if raw is not None}
+
+    def prefix_matches(self, worker_ids: list[str], block_hashes: list[bytes]) -> dict[str, int]:
+        """How many leading blocks of a prompt's hash chain each worker has cached."""
+        if not block_hashes or not worker_ids:
+            return {w: 0 for w in worker_ids}
+        p = self.r.pipeline(transaction=False)
+        for w in worker_ids:
+            p.smismember(self.keys.prefix(w), block_hashes)
+        out = {}
+        for w, hits in zip(worker_ids, p.execute()):
+            n = 0
+            for hit in hits:
+                if not hit:
+                    break
+                n += 1
+            out[w] = n
+        return out
+
+    def swapped_directory(self) -> list[tuple[str, str, dict]]:
+        """(worker id, request id, {blocks, priority, arrival}) of every swapped-out request."""
+        out = []
+        for w in self.live_loads():
+            for rid, raw in self.r.hgetall(self.keys.swapped(w)).items():
+                out.append((w, rid.decode(), json.loads(raw)))
+        return out
+
+    def forget(self, worker_id: str) -> None:
+        """Drop a dead worker from the registry (its keys expire by themselves)."""
+        self.r.srem(self.keys.workers, worker_id)
+
+    def close(self) -> None:
+        self.r.close()

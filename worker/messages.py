@@ -1,0 +1,80 @@
+"""Messages that cross the Ray boundary between a worker and the cluster.
+
+Small dataclasses of plain values (STYLE.md 3): a stream sends what is new, never
+the whole request. The cluster reads them; the worker never imports the cluster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from folio.worker.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0  # lower runs first; the largest value is preempted first
+    arrival_time: float | None = None  # time.time() at the frontend; None: when the worker sees it
+
+
+@dataclass
+class CompletionDelta:
+    index: int  # which of the n completions
+    token_ids: list[int]  # new output tokens since the previous chunk of this completion
+    text: str  # their detokenized text ("" when the request asked for no detokenization)
+    num_tokens: int  # output tokens of this completion so far, these included (checks continuity)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class StreamChunk:
+    request_id: str
+    worker_id: str  # who produced it
+    deltas: list[CompletionDelta] = field(default_factory=list)
+    finished: bool = False  # the last chunk of the request
+    migrated_to: str | None = None  # the stream continues on this worker (attach there)
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestSummary:
+    """What the coordinator needs to know of one request on a worker."""
+
+    request_id: str
+    state: str  # "running" | "waiting" | "swapped"
+    priority: int
+    arrival_time: float  # time.time() clock, comparable across workers
+    num_blocks: int  # device blocks it holds (running) or needs to run (waiting / swapped)
+
+
+@dataclass
+class WorkerLoad:
+    """A worker's heartbeat: its load, published to the cluster state every ~100 ms."""
+
+    worker_id: str
+    timestamp: float  # time.time() when measured
+    num_kv_blocks: int
+    num_free_blocks: int
+    num_cpu_blocks: int
+    num_free_cpu_blocks: int
+    block_size: int
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    queued_tokens: int  # prompt tokens not yet computed, over waiting and running requests
+    tokens_per_s: float  # generated tokens per second over the last few seconds
+    num_preemptions: int
+    swapped_out_blocks: int
+    swapped_in_blocks: int
+    num_migrations_in: int
+    num_migrations_out: int
+    draining: bool = False
+    requests: list[RequestSummary] = field(default_factory=list)
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_kv_blocks if self.num_kv_blocks else 1.0
