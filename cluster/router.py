@@ -82,6 +82,7 @@ class Router:
         if not loads:
             raise UnavailableError("no worker is alive to take the request")
         cands = self._candidates(loads)
+        matches: dict[str, int] = {}
         if self.policy == "round-robin":
             wid = round_robin(cands, self._counter)
             self._counter += 1
@@ -95,7 +96,9 @@ class Router:
             matches = await asyncio.to_thread(self.state.prefix_matches, [c.worker_id for c in cands], hashes) \
                 if hashes else {}
             wid = prefix_aware(cands, matches, self.imbalance)
-        self._sent[wid].append((time.time(), len(req.prompt_token_ids)))
+        # work sent there until its next heartbeat shows it: the prompt, less any cached prefix
+        cached = matches.get(wid, 0) * cands[0].block_size
+        self._sent[wid].append((time.time(), len(req.prompt_token_ids) - cached))
         self.decisions += 1
         self.decision_seconds.append(time.perf_counter() - t0)
         return wid

@@ -1,0 +1,228 @@
+"""The cluster for real: Ray actors (two logical GPUs on this CPU machine), an embedded
+redis-server, the router and the coordinator, on the tiny Llama model. One cluster is
+shared by the module; the tests that break it (Redis restart, a killed worker) run last."""
+
+import asyncio
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from folio.cluster.app import ClusterConfig, FolioCluster  # noqa: E402
+from folio.cluster.router import Router  # noqa: E402
+from folio.cluster.state import ClusterState  # noqa: E402
+from folio.worker import LLM, SamplingParams  # noqa: E402
+from folio.worker.errors import UnavailableError  # noqa: E402
+from folio.worker.hashing import hash_full_blocks  # noqa: E402
+from folio.worker.messages import GenerateRequest  # noqa: E402
+
+from conftest import PROMPTS  # noqa: E402
+
+ENGINE = dict(block_size=8, num_kv_blocks=24, num_cpu_blocks=96, max_model_len=256, preemption_mode="swap")
+TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dirs):
+    c = FolioCluster(ClusterConfig(model=model_dirs["llama"], num_workers=2, engine=ENGINE,
+                                   router="least-loaded", namespace="ftest")).start()
+    yield c
+    c.shutdown(grace_s=2)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dirs):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dirs["llama"])
+
+
+def offline(model, prompts_ids, params):
+    return [o.token_ids for o in LLM(model, **ENGINE).generate(prompts_ids, params)]
+
+
+async def run(router, req, worker_id=None):
+    """(output tokens of completion 0, the workers that streamed them)."""
+    tokens, workers = [], []
+
+    async def go():
+        async for chunk in router.generate(req, worker_id=worker_id):
+            for d in chunk.deltas:
+                tokens.extend(d.token_ids)
+            workers.append(chunk.worker_id)
+    await asyncio.wait_for(go(), TIMEOUT_S)
+    return tokens, workers
+
+
+def stats(cluster):
+    return {w: ray.get(h.stats.remote()) for w, h in cluster.workers.items()}
+
+
+def assert_idle_and_consistent(cluster):
+    deadline = time.monotonic() + 10
+    while True:
+        st = stats(cluster)
+        if all(s["num_free_blocks"] == s["num_kv_blocks"] and s["num_streams"] == 0 for s in st.values()):
+            break
+        assert time.monotonic() < deadline, f"blocks or streams left behind: {st}"
+        time.sleep(0.05)
+    ray.get([h.check_invariants.remote() for h in cluster.workers.values()])
+
+
+def pause_coordinator(cluster, paused: bool):
+    ray.get((cluster.coordinator.stop if paused else cluster.coordinator.start).remote())
+
+
+def test_greedy_through_the_cluster_matches_offline_and_hf(cluster, tokenizer, model_dirs, hf_reference):
+    ids = [tokenizer(p).input_ids for p in PROMPTS]
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    reqs = [GenerateRequest(f"g{i}", x, params) for i, x in enumerate(ids)]
+
+    async def main():
+        return await asyncio.gather(*(run(cluster.router, r) for r in reqs))
+    results = asyncio.run(main())
+    assert [t for t, _ in results] == offline(model_dirs["llama"], ids, params)
+    assert [t for t, _ in results] == hf_reference(model_dirs["llama"], PROMPTS, 16)
+    assert {w for _, ws in results for w in ws} == {"w0", "w1"}  # least-loaded used both
+    assert_idle_and_consistent(cluster)
+
+
+def test_bad_request_is_rejected_and_leaves_nothing(cluster):
+    from folio.worker.errors import InvalidRequestError
+
+    async def main():
+        for bad in ([], [10 ** 9], list(range(400))):
+            with pytest.raises(InvalidRequestError):
+                await run(cluster.router, GenerateRequest("bad", bad, SamplingParams(max_tokens=4)))
+    asyncio.run(main())
+    assert_idle_and_consistent(cluster)
+
+
+def test_policies_route_as_specified(cluster, tokenizer):
+    pause_coordinator(cluster, True)  # loads stay where the test puts them
+    try:
+        state = ClusterState(cluster.redis_url, "ftest")
+        rr = Router(state, cluster.router.client, "round-robin")
+        ll = Router(state, cluster.router.client, "least-loaded")
+        pa = Router(state, cluster.router.client, "prefix-aware")
+        probe = GenerateRequest("p", list(range(10, 20)), SamplingParams(max_tokens=4))
+
+        async def main():
+            assert [await rr.pick(probe) for _ in range(4)] == ["w0", "w1", "w0", "w1"]
+            # uneven load: three long requests pinned to w0
+            long = [GenerateRequest(f"l{i}", list(range(30 + i, 60 + i)), SamplingParams(max_tokens=80, ignore_eos=True))
+                    for i in range(3)]
+            tasks = [asyncio.create_task(run(cluster.router, r, worker_id="w0")) for r in long]
+            for _ in range(200):
+                if state.live_loads()["w0"].num_free_blocks < 8:
+                    break
+                await asyncio.sleep(0.02)
+            assert [await ll.pick(probe) for _ in range(4)] == ["w1"] * 4
+            short = [GenerateRequest(f"s{i}", list(range(11 + i, 20 + i)), SamplingParams(max_tokens=4))
+                     for i in range(3)]
+            placed = await asyncio.gather(*(run(ll, r) for r in short))
+            assert [ws[0] for _, ws in placed] == ["w1"] * 3
+            await asyncio.gather(*tasks)
+
+            # prefix-aware: a long shared prefix cached on w1 draws requests that share it
+            prefix = list(range(100, 164))  # 8 full blocks of 8
+            await run(cluster.router, GenerateRequest("seed", prefix + [5], SamplingParams(max_tokens=2)),
+                      worker_id="w1")
+            hashes = hash_full_blocks(prefix, 8)
+            for _ in range(100):
+                if state.prefix_matches(["w0", "w1"], hashes)["w1"] == 8:
+                    break
+                await asyncio.sleep(0.02)
+            hits_before = stats(cluster)["w1"]["prefix_cache_hits"]
+            shared = [GenerateRequest(f"pa{i}", prefix + [200 + i, 7], SamplingParams(max_tokens=2)) for i in range(3)]
+            placed = [await run(pa, r) for r in shared]
+            assert [ws[0] for _, ws in placed] == ["w1"] * 3
+            assert stats(cluster)["w1"]["prefix_cache_hits"] >= hits_before + 3 * 8
+        asyncio.run(main())
+    finally:
+        pause_coordinator(cluster, False)
+    assert_idle_and_consistent(cluster)
+
+
+def test_cross_gpu_preemption_resumes_requests_on_the_other_worker(cluster, tokenizer, model_dirs):
+    """A burst pinned to w0 needs ~4x its KV: w0 swaps requests out and the coordinator
+    resumes them on w1; every stream is complete, in order, and equal to the offline engine."""
+    ids = [tokenizer(p).input_ids for p in PROMPTS]
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    before = stats(cluster)
+    reqs = [GenerateRequest(f"x{i}", x, params) for i, x in enumerate(ids)]
+
+    async def main():
+        return await asyncio.gather(*(run(cluster.router, r, worker_id="w0") for r in reqs))
+    results = asyncio.run(main())
+    assert [t for t, _ in results] == offline(model_dirs["llama"], ids, params)
+    after = stats(cluster)
+    assert after["w0"]["preemptions_by_mode"]["swap"] > before["w0"]["preemptions_by_mode"]["swap"]
+    assert after["w1"]["num_migrations_in"] > before["w1"]["num_migrations_in"]
+    assert any("w1" in ws for _, ws in results)  # streams that continued on the other worker
+    assert ray.get(cluster.coordinator.stats.remote())["moves"] >= 1
+    assert_idle_and_consistent(cluster)
+
+
+def test_redis_restart_mid_load_keeps_serving(cluster, model_dirs):
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    ids = [list(range(40 + i, 60 + i)) for i in range(4)]
+    state = ClusterState(cluster.redis_url, "ftest")
+
+    async def main():
+        tasks = [asyncio.create_task(run(cluster.router, GenerateRequest(f"rr{i}", x, params)))
+                 for i, x in enumerate(ids)]
+        await asyncio.sleep(0.3)
+        cluster.redis.restart()  # all cluster state is gone
+        assert state.live_loads().keys() <= {"w0", "w1"}
+        results = await asyncio.gather(*tasks)
+        for _ in range(100):  # the next heartbeats rebuild it
+            if sorted(state.live_loads()) == ["w0", "w1"]:
+                break
+            await asyncio.sleep(0.05)
+        assert sorted(state.live_loads()) == ["w0", "w1"]
+        after = await run(cluster.router, GenerateRequest("after", ids[0], params))
+        return results, after
+    results, after = asyncio.run(main())
+    expected = offline(model_dirs["llama"], ids, params)
+    assert [t for t, _ in results] == expected and after[0] == expected[0]
+    assert_idle_and_consistent(cluster)
+
+
+def test_killed_worker_fails_or_reroutes_its_requests_and_the_rest_keep_serving(cluster):
+    params = SamplingParams(max_tokens=170, temperature=0.0, ignore_eos=True)  # 24 blocks: one per worker
+    rr = Router(ClusterState(cluster.redis_url, "ftest"), cluster.router.client, "round-robin")
+    on_w1 = asyncio.Event
+
+    async def main():
+        streaming_on_w1 = on_w1()
+
+        async def long(i):
+            n = 0
+            async for chunk in rr.generate(GenerateRequest(f"k{i}", list(range(10 + i, 30 + i)), params)):
+                n += sum(len(d.token_ids) for d in chunk.deltas)
+                if chunk.worker_id == "w1" and n >= 5:
+                    streaming_on_w1.set()
+            return n
+        tasks = [asyncio.create_task(asyncio.wait_for(long(i), TIMEOUT_S)) for i in range(2)]
+        await asyncio.wait_for(streaming_on_w1.wait(), TIMEOUT_S)
+        ray.kill(cluster.workers["w1"])
+        t_kill = time.monotonic()
+        # right after the kill Redis still lists w1 for up to its TTL: requests sent there
+        # before they stream anything are re-run on w0
+        fresh = [await run(rr, GenerateRequest(f"f{i}", list(range(50 + i, 60 + i)), SamplingParams(max_tokens=3)))
+                 for i in range(4)]
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        while "w1" in rr.state.live_loads():
+            assert time.monotonic() - t_kill < 5, "the dead worker's heartbeat key outlived its TTL"
+            await asyncio.sleep(0.05)
+        return results, fresh
+    results, fresh = asyncio.run(main())
+    failed = [r for r in results if isinstance(r, BaseException)]
+    assert all(isinstance(e, UnavailableError) and "w1" in str(e) for e in failed), failed
+    assert len(failed) == 1  # round-robin put one of the two on w1: it fails clearly, none hangs
+    assert [r for r in results if not isinstance(r, BaseException)] == [170]  # w0's finishes
+    assert all(ws == ["w0"] * len(ws) and len(t) == 3 for t, ws in fresh)
+    del cluster.workers["w1"]
+    assert_idle_and_consistent(cluster)
