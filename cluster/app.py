@@ -28,6 +28,7 @@ from folio.cluster.worker_client import RayWorkerClient, actor_name  # noqa: E40
 from folio.worker.actor import EngineWorker  # noqa: E402
 from folio.worker.config import EngineConfig  # noqa: E402
 from folio.worker.errors import ConfigError, UnavailableError  # noqa: E402
+from folio.worker.models.config import ModelConfig  # noqa: E402
 
 
 @dataclass
@@ -50,6 +51,7 @@ class ClusterConfig:
         if self.num_workers < 1:
             raise ConfigError("num_workers must be >= 1")
         EngineConfig(model=self.model, **self.engine)  # checks the engine fields up front
+        ModelConfig.from_dir(self.model)  # and that the checkpoint is there (ModelLoadError)
 
 
 def make_engine(config: EngineConfig, torch_threads: int | None):

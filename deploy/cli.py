@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_make_tiny(sub)
     _add_generate(sub)
+    from folio.deploy.serve import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 
@@ -85,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
                 for c in out.outputs:
                     print(f"{out.prompt!r} -> {c.text!r} [{c.finish_reason}]")
         return 0
+    if args.command == "serve":
+        from folio.deploy.serve import serve
+
+        return serve(args)
     return 1
 
 

@@ -1,0 +1,59 @@
+"""`folio serve` as a user runs it: a subprocess, real Ray, a real Redis, SIGTERM to stop."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from folio.cluster.redis_server import EmbeddedRedis
+from folio.cluster.state import ClusterState
+
+
+def folio(*args):
+    return [sys.executable, "-m", "folio.deploy.cli", *args]
+
+
+def test_serve_starts_workers_and_drains_on_sigterm(model_dirs, tmp_path):
+    with EmbeddedRedis() as redis:
+        env = dict(os.environ, RAY_AUTH_MODE="disabled")
+        proc = subprocess.Popen(folio("serve", "--model", model_dirs["llama"], "--num-workers", "2",
+                                      "--redis-url", redis.url, "--namespace", "clitest", "--block-size", "8",
+                                      "--num-kv-blocks", "32", "--grace-period-s", "2"),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        try:
+            lines = []
+            deadline = time.monotonic() + 180
+            while not any("ready" in line for line in lines):
+                assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+                lines.append(proc.stdout.readline())
+            state = ClusterState(redis.url, "clitest")
+            loads = state.live_loads()
+            assert sorted(loads) == ["w0", "w1"] and all(l.num_kv_blocks == 32 for l in loads.values())
+            proc.send_signal(signal.SIGTERM)
+            out, _ = proc.communicate(timeout=60)
+            assert proc.returncode == 0, out
+            assert "stopped" in out
+            assert state.live_loads() == {}  # the workers left the registry at once
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--num-workers", "0"], "num_workers must be >= 1"),
+    (["--block-size", "0"], "block_size must be >= 1"),
+    (["--dtype", "int3"], "dtype must be one of"),
+])
+def test_serve_rejects_bad_arguments_clearly(model_dirs, args, message):
+    r = subprocess.run(folio("serve", "--model", model_dirs["llama"], *args), capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and message in r.stderr
+
+
+def test_serve_rejects_a_missing_model():
+    r = subprocess.run(folio("serve", "--model", "/nonexistent/model"), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no config.json" in r.stderr
