@@ -79,11 +79,13 @@ class Roofline:
         if not scheduled and not swap_bytes:
             return 0.0
         m = self.model
+        swap_s = swap_bytes / self.gpu.host_link_bytes_per_s
+        if not scheduled:
+            return swap_s
         tokens = sum(n for n, _ in scheduled)
         kv_read = sum(ctx for _, ctx in scheduled) * m.kv_bytes_per_token
         attn_flops = sum(4 * m.num_layers * m.num_heads * m.head_dim * n * ctx for n, ctx in scheduled)
         flops = 2 * m.num_params * tokens + attn_flops
         mem_s = (m.weight_bytes + kv_read) / (self.gpu.hbm_bytes_per_s * self.memory_efficiency)
         compute_s = flops / (self.gpu.flops_per_s * self.compute_efficiency)
-        swap_s = swap_bytes / self.gpu.host_link_bytes_per_s
-        return max(mem_s, compute_s) + swap_s + (self.step_overhead_s if scheduled else 0.0)
+        return max(mem_s, compute_s) + swap_s + self.step_overhead_s
