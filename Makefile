@@ -4,6 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+export RAY_AUTH_MODE := disabled
 
 .PHONY: venv test run bench clean
 
@@ -20,13 +21,16 @@ $(VENV)/.installed: pyproject.toml
 test: venv
 	$(PY) -m pytest -q
 
-# The main job: make the benchmark's tiny model, generate with it, measure paged vs contiguous vs HF.
+# The main job: make the benchmark's tiny model, generate with it, measure paged vs contiguous vs HF,
+# then serve it from a local cluster (Ray workers, embedded Redis, router, coordinator) under a burst.
 run: venv
 	$(PY) -m folio.deploy.cli make-tiny-model models/tiny-llama-8l --hidden-size 512 --num-layers 8 \
 		--num-heads 8 --num-kv-heads 4 --intermediate-size 1408 --vocab-size 8192 --seed 0
 	$(VENV)/bin/folio generate --model models/tiny-llama-8l --max-tokens 24 \
 		"def fibonacci(n):" "import numpy as np" "class Cache:"
 	$(PY) benchmarks/offline_throughput.py --model models/tiny-llama-8l --quick
+	$(PY) benchmarks/cluster_local.py --model models/tiny-llama-8l --requests 16 \
+		--out benchmarks/results/cluster_local_quick.json
 
 bench: venv
 	$(PY) benchmarks/offline_throughput.py --model models/tiny-llama-8l

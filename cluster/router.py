@@ -47,6 +47,7 @@ class Router:
         self._counter = 0
         self._loads: dict[str, WorkerLoad] = {}
         self._loads_at = 0.0
+        self._refreshing: asyncio.Task | None = None
         self._sent: dict[str, list[tuple[float, int]]] = defaultdict(list)  # wid -> (time.time(), tokens)
         self._dead: dict[str, float] = {}  # wid -> monotonic time it was seen dying
         self._where: dict[str, str] = {}  # request id -> worker streaming it
@@ -55,12 +56,24 @@ class Router:
 
     # ---- choosing a worker --------------------------------------------------------------
     async def live_loads(self, refresh: bool = False) -> dict[str, WorkerLoad]:
+        """Live workers' loads. A stale snapshot is refreshed in the background while
+        decisions go on with it (no request waits on Redis), unless `refresh` asks to wait."""
         now = time.monotonic()
-        if refresh or now - self._loads_at > self.refresh_s:
-            self._loads = await asyncio.to_thread(self.state.live_loads)
-            self._loads_at = now
+        if refresh or not self._loads_at:
+            await self._refresh()
+        elif now - self._loads_at > self.refresh_s and (self._refreshing is None or self._refreshing.done()):
+            self._refreshing = asyncio.get_running_loop().create_task(self._refresh())
         return {w: l for w, l in self._loads.items()
                 if not l.draining and now - self._dead.get(w, -1e9) > DEAD_HOLD_S}
+
+    async def _refresh(self) -> None:
+        try:
+            loads = await self.state.alive_loads()
+        except Exception:  # Redis away: keep routing on the last figures until it is back
+            if not self._loads_at:
+                raise UnavailableError("the cluster state (Redis) is unreachable") from None
+            return
+        self._loads, self._loads_at = loads, time.monotonic()
 
     def mark_dead(self, wid: str) -> None:
         self._dead[wid] = time.monotonic()
@@ -93,8 +106,7 @@ class Router:
         else:
             block_size = cands[0].block_size
             hashes = hash_full_blocks(req.prompt_token_ids, block_size, self.hash_seed)
-            matches = await asyncio.to_thread(self.state.prefix_matches, [c.worker_id for c in cands], hashes) \
-                if hashes else {}
+            matches = await self.state.aprefix_matches([c.worker_id for c in cands], hashes) if hashes else {}
             wid = prefix_aware(cands, matches, self.imbalance)
         # work sent there until its next heartbeat shows it: the prompt, less any cached prefix
         cached = matches.get(wid, 0) * cands[0].block_size

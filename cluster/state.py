@@ -18,14 +18,30 @@ the next heartbeats rebuild it. Readers never trust a worker without a live key.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 
 import redis
+import redis.asyncio
 
 from folio.worker.messages import RequestSummary, WorkerLoad
 
 DEFAULT_TTL_S = 1.5
+
+# KEYS: one prefix set per worker; ARGV: a prompt's chained block hashes. Returns, per
+# worker, the length of the leading run of hashes it holds.
+_WALK_PREFIX = """
+local out = {}
+for i, key in ipairs(KEYS) do
+  local n = 0
+  for j, h in ipairs(ARGV) do
+    if redis.call('SISMEMBER', key, h) == 1 then n = j else break end
+  end
+  out[i] = n
+end
+return out
+"""
 
 
 def connect(url: str) -> redis.Redis:
@@ -123,6 +139,8 @@ class ClusterState:
         self.url = url
         self.r = connect(url)
         self.keys = Keys(namespace)
+        self._walk_prefix = self.r.register_script(_WALK_PREFIX)
+        self._aloop = self._ar = self._awalk = None
 
     def live_loads(self) -> dict[str, WorkerLoad]:
         """Every worker whose heartbeat key is alive, with its last load."""
@@ -133,21 +151,37 @@ class ClusterState:
         return {w: load_from_json(raw) for w, raw in zip(ids, raws) if raw is not None}
 
     def prefix_matches(self, worker_ids: list[str], block_hashes: list[bytes]) -> dict[str, int]:
-        """How many leading blocks of a prompt's hash chain each worker has cached."""
+        """How many leading blocks of a prompt's hash chain each worker has cached: one
+        round trip, a server-side walk per worker that stops at its first miss."""
         if not block_hashes or not worker_ids:
             return {w: 0 for w in worker_ids}
-        p = self.r.pipeline(transaction=False)
-        for w in worker_ids:
-            p.smismember(self.keys.prefix(w), block_hashes)
-        out = {}
-        for w, hits in zip(worker_ids, p.execute()):
-            n = 0
-            for hit in hits:
-                if not hit:
-                    break
-                n += 1
-            out[w] = n
-        return out
+        counts = self._walk_prefix(keys=[self.keys.prefix(w) for w in worker_ids], args=block_hashes)
+        return dict(zip(worker_ids, (int(c) for c in counts)))
+
+    # ---- the same reads without leaving the event loop (the router) ----------------------
+    def _async(self):
+        """An asyncio client per event loop (a connection belongs to the loop that made it)."""
+        loop = asyncio.get_running_loop()
+        if self._aloop is not loop:
+            self._ar = redis.asyncio.Redis.from_url(self.url, socket_timeout=0.5, socket_connect_timeout=0.5)
+            self._awalk = self._ar.register_script(_WALK_PREFIX)
+            self._aloop = loop
+        return self._ar
+
+    async def alive_loads(self) -> dict[str, WorkerLoad]:
+        r = self._async()
+        ids = sorted(w.decode() for w in await r.smembers(self.keys.workers))
+        if not ids:
+            return {}
+        raws = await r.mget([self.keys.worker(w) for w in ids])
+        return {w: load_from_json(raw) for w, raw in zip(ids, raws) if raw is not None}
+
+    async def aprefix_matches(self, worker_ids: list[str], block_hashes: list[bytes]) -> dict[str, int]:
+        if not block_hashes or not worker_ids:
+            return {w: 0 for w in worker_ids}
+        self._async()
+        counts = await self._awalk(keys=[self.keys.prefix(w) for w in worker_ids], args=block_hashes)
+        return dict(zip(worker_ids, (int(c) for c in counts)))
 
     def swapped_directory(self) -> list[tuple[str, str, dict]]:
         """(worker id, request id, {blocks, priority, arrival}) of every swapped-out request."""

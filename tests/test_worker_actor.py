@@ -40,10 +40,22 @@ def tokenizer(model):
     return AutoTokenizer.from_pretrained(model)
 
 
+_LIVE: list[EngineWorker] = []
+
+
+@pytest.fixture(autouse=True)
+def _shutdown_workers():
+    yield
+    while _LIVE:  # even when a test failed half-way: no step thread outlives its test
+        _LIVE.pop().shutdown()
+
+
 def make_worker(model, wid, redis_url=None, ns="t", **engine):
     pub = functools.partial(WorkerPublisher, redis_url, ns) if redis_url else None
     cfg = EngineConfig(model=model, **{**ENGINE, **engine})
-    return EngineWorker(wid, functools.partial(LLMEngine, cfg), pub, heartbeat_s=0.05)
+    w = EngineWorker(wid, functools.partial(LLMEngine, cfg), pub, heartbeat_s=0.05)
+    _LIVE.append(w)
+    return w
 
 
 async def collect(stream):
@@ -75,7 +87,6 @@ def test_worker_streams_the_offline_engines_tokens_and_rejects_bad_input(model, 
         await w.check_invariants()
 
     asyncio.run(main())
-    w.shutdown()
 
 
 def test_closing_a_stream_aborts_the_request_and_frees_its_blocks(model):
@@ -102,7 +113,6 @@ def test_closing_a_stream_aborts_the_request_and_frees_its_blocks(model):
         await w.check_invariants()
 
     asyncio.run(main())
-    w.shutdown()
 
 
 def test_router_follows_a_migration_without_losing_or_repeating_tokens(model, tokenizer):
@@ -132,8 +142,6 @@ def test_router_follows_a_migration_without_losing_or_repeating_tokens(model, to
             await w.check_invariants()
 
     asyncio.run(main())
-    a.shutdown()
-    b.shutdown()
 
 
 def test_coordinator_resumes_swapped_requests_on_the_idle_worker(model, tokenizer):
@@ -166,5 +174,3 @@ def test_coordinator_resumes_swapped_requests_on_the_idle_worker(model, tokenize
         sa, sb = asyncio.run(a.stats()), asyncio.run(b.stats())
         assert sa["preemptions_by_mode"]["swap"] >= 1 and sb["num_migrations_in"] >= 1
         assert any(c.worker_id == "b" for _, chunks in results for c in chunks)
-        for w in (a, b):
-            w.shutdown()

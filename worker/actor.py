@@ -68,10 +68,12 @@ class EngineWorker:
         self._rate = (time.monotonic(), 0, 0.0)  # (time, generated tokens then, tokens/s)
         self._publisher = publisher_factory() if publisher_factory is not None else None
         self._latest: queue.Queue = queue.Queue(maxsize=1)
-        self._thread = threading.Thread(target=self._step_loop, name=f"folio-step-{worker_id}", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._step_loop, name=f"folio-step-{worker_id}", daemon=True)]
         if self._publisher is not None:
-            threading.Thread(target=self._publish_loop, name=f"folio-pub-{worker_id}", daemon=True).start()
+            self._threads.append(threading.Thread(target=self._publish_loop, name=f"folio-pub-{worker_id}",
+                                                  daemon=True))
+        for t in self._threads:
+            t.start()
 
     # ---- the async API ------------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
@@ -197,8 +199,13 @@ class EngineWorker:
         return self.worker_id
 
     def shutdown(self) -> None:
+        """Stop the step and publisher threads and wait for them: a thread still running
+        at interpreter exit would die inside the engine's tensors."""
         self._stop = True
         self._wake.set()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout=10)
         if self._publisher is not None:
             try:
                 self._publisher.close()

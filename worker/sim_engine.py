@@ -88,6 +88,7 @@ class SimulatedEngine(LLMEngine):
         self.swap_bytes = 0
         self.swap_calls = 0
         self.simulated_seconds = 0.0  # sum of the simulated step durations
+        self.lag_seconds = 0.0  # wall time beyond duration * time_scale (this host too slow to keep up)
 
     def _tokenize(self, prompt):
         if isinstance(prompt, str):
@@ -137,6 +138,8 @@ class SimulatedEngine(LLMEngine):
         sleep = duration * self.time_scale - (time.perf_counter() - t0)
         if sleep > 0:
             time.sleep(sleep)
+        else:
+            self.lag_seconds -= sleep
 
         class _Result:  # the sampler's result shape
             token_ids = [self._token(s) for s in seqs]
