@@ -99,3 +99,27 @@ def test_finish_frees_and_forgets():
     s.add(group("b", 5, 1.0))
     s.finish(s._peek_waiting(), "abort")  # abort while waiting
     assert not s.has_unfinished() and s.schedule().is_empty
+
+
+def test_swapped_requests_yield_only_to_strictly_higher_priority_waiting_ones():
+    kv = PagedKVManager(8, 4, num_cpu_blocks=8)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100, preemption_mode="swap")
+    victim = group("victim", 8, 0.0, priority=5)
+    s.add(victim)
+    advance(s, s.schedule())
+    s.preempt(victim.seqs[0])  # the coordinator's order: swap it out to make room...
+    assert victim.seqs[0].status is SequenceStatus.SWAPPED
+    same = group("same", 8, 1.0, priority=5)
+    vip = group("vip", 16, 2.0, priority=0)
+    s.add(same)
+    s.add(vip)  # ...for a request moved in at the same moment
+    out = s.schedule()
+    assert out.swap_out and not out.swap_in
+    # vip (priority 0) is admitted ahead of the swapped victim; the victim (priority 5)
+    # still comes back ahead of the equal-priority newcomer, and only with room to spare
+    assert [q.group.request_id for q, _ in out.scheduled] == ["vip"]
+    assert victim.seqs[0].status is SequenceStatus.SWAPPED and same.seqs[0].status is SequenceStatus.WAITING
+    advance(s, out)
+    s.finish(vip.seqs[0], "stop")
+    out = s.schedule()
+    assert [q.group.request_id for q, _ in out.scheduled][0] == "victim"

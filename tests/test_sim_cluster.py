@@ -92,3 +92,76 @@ def test_simulated_cluster_serves_a_burst_with_migrations():
     assert coord["moves"] >= 1 and stats["sim0"]["num_migrations_out"] >= 1
     assert sum(s["num_generated_tokens"] > 0 for s in stats.values()) >= 6  # the load spread
     assert all(s["num_free_blocks"] == s["num_kv_blocks"] for s in stats.values())
+
+
+def test_move_with_victims_preempts_them_on_the_destination_and_runs_the_request_there():
+    """The coordinator's second rule, as carried out: a high-priority request that fits
+    nowhere moves to a worker whose low-priority request is swapped out to make room."""
+    from folio.cluster.worker_client import LocalWorkerClient
+    from folio.worker.actor import EngineWorker
+
+    r = Roofline.named()
+    workers = {w: EngineWorker(w, lambda: SimulatedEngine(r, num_kv_blocks=40, time_scale=1.0)) for w in ("a", "b")}
+    client = LocalWorkerClient(workers)
+    low = [("low-a", list(range(1, 401)), 100), ("low-b", list(range(2, 402)), 100)]
+    hi = ("hi", list(range(3, 303)), 20)
+    expected = run_offline(SimulatedEngine(r, num_kv_blocks=4096, time_scale=0), low + [hi])
+
+    async def collect(gen):
+        toks = []
+        async for chunk in gen:
+            toks += chunk.deltas[0].token_ids
+        return toks
+
+    async def main():
+        def req(rid, prompt, n, prio):
+            return GenerateRequest(rid, prompt, SamplingParams(max_tokens=n, ignore_eos=True), priority=prio)
+        lows = [asyncio.create_task(collect(client.generate(w, req(*low[i], prio=5)))) for i, w in enumerate("ab")]
+        await asyncio.sleep(0.1)  # both workers hold their low-priority request (25+ of 40 blocks)
+        hi_stream = client.generate("a", req(*hi, prio=0))
+        hi_task = asyncio.create_task(collect(_follow(client, hi_stream)))
+        await asyncio.sleep(0.02)  # on a it waits or runs a first prefill chunk in the ~14 free blocks
+        await client.move("a", "b", "hi", preempt=("low-b",))
+        load_b = await workers["b"].load()
+        assert {q.request_id: q.state for q in load_b.requests}["low-b"] == "swapped"
+        got = {"hi": await hi_task, "low-a": await lows[0], "low-b": await lows[1]}
+        stats = {w: await workers[w].stats() for w in workers}
+        for w in workers.values():
+            await w.check_invariants()
+        return got, stats
+    try:
+        got, stats = asyncio.run(main())
+    finally:
+        for w in workers.values():
+            w.shutdown()
+    assert got == expected
+    assert stats["b"]["preemptions_by_mode"]["swap"] >= 1 and stats["b"]["num_migrations_in"] == 1
+
+
+async def _follow(client, stream):
+    """A client stream that follows `migrated_to` (what the router does)."""
+    async for chunk in stream:
+        if chunk.migrated_to is not None:
+            async for later in client.attach(chunk.migrated_to, chunk.request_id):
+                yield later
+            return
+        yield chunk
+
+
+def test_no_live_worker_is_a_clear_unavailable_error():
+    from folio.cluster.redis_server import EmbeddedRedis
+    from folio.cluster.router import Router
+    from folio.cluster.state import ClusterState
+    from folio.cluster.worker_client import LocalWorkerClient
+    from folio.worker.errors import UnavailableError
+
+    req = GenerateRequest("r", [1, 2, 3], SamplingParams(max_tokens=2))
+
+    async def pick(url):
+        return await Router(ClusterState(url, "empty"), LocalWorkerClient({})).pick(req)
+    with EmbeddedRedis() as redis:
+        with pytest.raises(UnavailableError, match="no worker is alive"):
+            asyncio.run(pick(redis.url))
+        url = redis.url
+    with pytest.raises(UnavailableError, match="unreachable"):
+        asyncio.run(pick(url))  # Redis itself is gone

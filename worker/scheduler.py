@@ -169,6 +169,9 @@ class Scheduler:
         self.swapped.sort(key=lambda s: (s.priority, s.arrival_time, s.seq_id))
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
+            head = self._peek_waiting()
+            if head is not None and head.priority < seq.priority:
+                break  # a higher-priority request waits: it is admitted first
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             # room for its next tokens, plus headroom: the watermark and one block per
             # running sequence (each may grow), so it is not preempted again at once
@@ -217,10 +220,13 @@ class Scheduler:
 
         if not out.preempted:
             budget = self._swap_in(budget, scheduled, by_id)
-        if not out.preempted and not self.swapped:
+        if not out.preempted:
+            # swapped requests go first, except where a waiting one has strictly higher
+            # priority (a victim swapped out to make room for it must not take the room back)
+            blocking = min((s.priority for s in self.swapped), default=None)
             while budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self._peek_waiting()
-                if seq is None:
+                if seq is None or (blocking is not None and seq.priority >= blocking):
                     break
                 group = seq.group
                 if not group.forked and len(self.running) + group.params.n > self.max_num_seqs:
