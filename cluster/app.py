@@ -134,6 +134,16 @@ class FolioCluster:
             time.sleep(0.1)
 
     # ---- stop -------------------------------------------------------------------------
+    def drain(self, grace_s: float) -> None:
+        """Workers stop admitting; in-flight requests get `grace_s` to finish, then are aborted."""
+        import ray
+
+        drains = [h.drain.remote(grace_s) for h in self.workers.values()]
+        try:
+            ray.get(drains, timeout=grace_s + 10)
+        except Exception:
+            pass
+
     def shutdown(self, grace_s: float = 10.0) -> None:
         """Stop admitting, let in-flight requests finish for `grace_s`, abort the rest,
         then release the actors, Redis (if owned) and Ray (if started here)."""
@@ -146,11 +156,7 @@ class FolioCluster:
                 pass
             ray.kill(self.coordinator)
             self.coordinator = None
-        drains = [h.drain.remote(grace_s) for h in self.workers.values()]
-        try:
-            ray.get(drains, timeout=grace_s + 10)
-        except Exception:
-            pass
+        self.drain(grace_s)
         pub = None
         try:
             pub = WorkerPublisher(self.redis_url, self.config.namespace)

@@ -1,7 +1,8 @@
 """Routing policies: pure functions from live load figures to a worker id.
 
 Load score (lower is better): the fraction of a worker's KV cache that its current
-and queued work needs, blocks in use plus queued prompt tokens in blocks, plus the
+and queued work needs, blocks in use plus queued prompt tokens in blocks plus blocks
+swapped out to its CPU memory (they come back), plus the
 requests the router sent since that worker's last heartbeat (so a burst between two
 heartbeats does not pile onto one worker).
 """
@@ -23,12 +24,14 @@ class Candidate:
     num_waiting: int
     num_swapped: int
     block_size: int
+    swapped_blocks: int = 0  # KV parked in CPU memory: demand that comes back
 
     @property
     def load(self) -> float:
         used = self.num_kv_blocks - self.num_free_blocks
         queued = -(-self.queued_tokens // self.block_size)
-        return (used + queued) / max(self.num_kv_blocks, 1) + 0.01 * (self.num_waiting + self.num_swapped)
+        return ((used + queued + self.swapped_blocks) / max(self.num_kv_blocks, 1)
+                + 0.01 * (self.num_waiting + self.num_swapped))
 
 
 def round_robin(cands: list[Candidate], counter: int) -> str:

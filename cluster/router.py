@@ -84,7 +84,8 @@ class Router:
             sent = self._sent[w]
             sent[:] = [(t, n) for t, n in sent if t > l.timestamp]  # not yet in that heartbeat
             out.append(Candidate(w, l.num_kv_blocks, l.num_free_blocks, l.queued_tokens + sum(n for _, n in sent),
-                                 l.num_waiting + len(sent), l.num_swapped, l.block_size))
+                                 l.num_waiting + len(sent), l.num_swapped, l.block_size,
+                                 l.num_cpu_blocks - l.num_free_cpu_blocks))
         return out
 
     async def pick(self, req: GenerateRequest, exclude: set[str] = frozenset()) -> str:

@@ -9,6 +9,7 @@ rest and releases everything (workers leave the Redis registry at once).
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -35,6 +36,15 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--swap-space-gb", type=float, default=4.0)
     p.add_argument("--worker-num-cpus", type=float, default=0.5)
     p.add_argument("--grace-period-s", type=float, default=30.0, help="drain time on SIGINT/SIGTERM")
+    p.add_argument("--host", default="0.0.0.0", help="address the HTTP and gRPC servers listen on")
+    p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API (0: off)")
+    p.add_argument("--grpc-port", type=int, default=50051, help="gRPC API (0: off)")
+    p.add_argument("--metrics-port", type=int, default=0, help="a separate Prometheus port (0: only /metrics)")
+    p.add_argument("--api-key", default=os.environ.get("FOLIO_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $FOLIO_API_KEY)")
+    p.add_argument("--max-num-requests", type=int, default=256,
+                   help="requests in flight per frontend replica; more get 429 / RESOURCE_EXHAUSTED")
+    p.add_argument("--served-model-name", default=None)
     return p
 
 
@@ -66,16 +76,58 @@ def serve(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         cluster.shutdown(grace_s=0)  # whatever did start
         return 2
+    try:
+        frontends = start_frontends(args, cluster)
+    except Exception as e:
+        print(f"error: the frontends did not start: {e}", file=sys.stderr)
+        cluster.shutdown(grace_s=0)
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own handlers
         signal.signal(sig, lambda *_: stop.set())
     print(f"folio serve: ready in {time.monotonic() - t0:.1f} s: {args.num_workers} workers, router "
-          f"{args.router}, redis {cluster.redis_url}" + (" (embedded)" if cluster.redis else ""), flush=True)
+          f"{args.router}, redis {cluster.redis_url}" + (" (embedded)" if cluster.redis else "") + frontends,
+          flush=True)
     try:
         while not stop.wait(0.5):
             pass
     finally:
         print(f"folio serve: draining (up to {args.grace_period_s:.0f} s)", flush=True)
-        cluster.shutdown(grace_s=args.grace_period_s)
+        cluster.drain(args.grace_period_s)  # in-flight requests finish through the frontends
+        if frontends:
+            from ray import serve as ray_serve
+
+            ray_serve.shutdown()
+        cluster.shutdown(grace_s=0)
         print("folio serve: stopped", flush=True)
     return 0
+
+
+def start_frontends(args, cluster) -> str:
+    """The Serve app (HTTP on --http-port, gRPC on --grpc-port); returns a description."""
+    if not args.http_port and not args.grpc_port:
+        return ""
+    from ray import serve as ray_serve
+
+    from folio.deploy.frontend import FrontendConfig
+    from folio.deploy.serve_app import build_app
+    from folio.worker.config import EngineConfig
+    from folio.worker.models.config import ModelConfig
+    from folio.worker.sizing import max_model_len
+
+    cfg = cluster.config
+    engine = EngineConfig(model=cfg.model, **cfg.engine)
+    fcfg = FrontendConfig(model=os.path.abspath(cfg.model), redis_url=cluster.redis_url, namespace=cfg.namespace,
+                          router=cfg.router, max_model_len=max_model_len(engine, ModelConfig.from_dir(cfg.model)),
+                          block_size=engine.block_size, num_workers=cfg.num_workers,
+                          max_num_requests=args.max_num_requests, api_key=args.api_key,
+                          served_model_name=args.served_model_name, grpc_port=args.grpc_port or None,
+                          metrics_port=args.metrics_port or None)
+    ray_serve.start(http_options={"host": args.host, "port": args.http_port or 8000})
+    ray_serve.run(build_app(fcfg), name="folio", route_prefix="/")
+    parts = []
+    if args.http_port:
+        parts.append(f"http://{args.host}:{args.http_port}")
+    if args.grpc_port:
+        parts.append(f"grpc://{args.host}:{args.grpc_port}")
+    return ", serving " + " and ".join(parts)

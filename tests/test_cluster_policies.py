@@ -105,3 +105,9 @@ def test_victims_are_chosen_across_workers_lowest_priority_then_latest():
 def test_max_moves_bounds_a_round(max_moves):
     loads = {"a": load("a", 0, reqs=[req(f"r{i}", "swapped", 5, arrival=i) for i in range(4)]), "b": load("b", 90)}
     assert len(plan_moves(loads, now=100.0, max_moves=max_moves)) == max_moves
+
+
+def test_swapped_out_kv_counts_as_load():
+    idle = Candidate("idle", 100, 70, 0, 0, 0, 16)
+    parked = Candidate("parked", 100, 90, 0, 0, 2, 16, swapped_blocks=60)  # few blocks in use, 60 coming back
+    assert least_loaded([idle, parked]) == "idle"

@@ -206,6 +206,24 @@ def test_delta_outputs_stream_every_token_once(llm):
     assert toks == final.token_ids and text == final.text
 
 
+def test_streamed_text_holds_back_a_possible_stop_string(model_dirs):
+    """A stop string that spans tokens is cut from the text when it completes; the deltas
+    sent before must not have carried its first characters."""
+    llm = LLM(model_dirs["llama"], block_size=8, num_kv_blocks=48, max_model_len=256)
+    greedy = dict(max_tokens=20, temperature=0.0, ignore_eos=True)
+    full = llm.generate([PROMPTS[2]], SamplingParams(**greedy))[0].text
+    stop = full[len(full) // 2:][:3]  # on this model: " c ", completed one token after " c"
+    want = llm.generate([PROMPTS[2]], SamplingParams(**greedy, stop=[stop]))[0]
+    assert want.finish_reason == "stop" and want.text == full[:full.index(stop)]
+    eng = llm.engine
+    eng.add_request("s", PROMPTS[2], SamplingParams(**greedy, stop=[stop]), output_kind="delta")
+    text = ""
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            text += o.outputs[0].text
+    assert text == want.text
+
+
 def test_priority_is_served_first(model_dirs):
     # one sequence at a time: completion order is admission order
     llm = LLM(model_dirs["qwen2"], block_size=4, num_kv_blocks=64, max_num_seqs=1)

@@ -21,7 +21,7 @@ def test_serve_starts_workers_and_drains_on_sigterm(model_dirs, tmp_path):
         env = dict(os.environ, RAY_AUTH_MODE="disabled")
         proc = subprocess.Popen(folio("serve", "--model", model_dirs["llama"], "--num-workers", "2",
                                       "--redis-url", redis.url, "--namespace", "clitest", "--block-size", "8",
-                                      "--num-kv-blocks", "32", "--grace-period-s", "2"),
+                                      "--num-kv-blocks", "32", "--grace-period-s", "2", "--http-port", "0", "--grpc-port", "0"),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         try:
             lines = []

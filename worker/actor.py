@@ -64,6 +64,7 @@ class EngineWorker:
         self._sent: dict[str, dict[int, int]] = {}  # request id -> {completion: tokens streamed}
         self.num_migrations_in = 0
         self.num_migrations_out = 0
+        self.num_prompt_tokens = 0
         self.failed: str | None = None  # the engine's fatal error, once it has one
         self._rate = (time.monotonic(), 0, 0.0)  # (time, generated tokens then, tokens/s)
         self._publisher = publisher_factory() if publisher_factory is not None else None
@@ -90,8 +91,7 @@ class EngineWorker:
         self._sent[rid] = {}
         arrival = _mono_from_wall(req.arrival_time) if req.arrival_time is not None else None
         try:
-            await self._call(lambda e: e.add_request(rid, req.prompt_token_ids, req.params, priority=req.priority,
-                                                     arrival_time=arrival, output_kind="delta"))
+            await self._call(lambda e: self._add(e, rid, req, arrival))
         except BaseException:
             self._streams.pop(rid, None)
             self._sent.pop(rid, None)
@@ -236,6 +236,11 @@ class EngineWorker:
                 except BaseException as e:  # the caller gets it; the engine is unchanged (its contract)
                     fut.set_exception(e)
 
+    def _add(self, e, rid: str, req: GenerateRequest, arrival: float | None) -> None:
+        e.add_request(rid, req.prompt_token_ids, req.params, priority=req.priority, arrival_time=arrival,
+                      output_kind="delta")
+        self.num_prompt_tokens += len(req.prompt_token_ids)
+
     def _abort(self, rid: str) -> bool:
         if not self.engine.abort(rid):
             return False
@@ -288,8 +293,14 @@ class EngineWorker:
             n = sent.get(c.index, 0) + len(c.token_ids)
             sent[c.index] = n
             deltas.append(CompletionDelta(c.index, list(c.token_ids), c.text, n, c.finish_reason, c.logprobs))
-        npre = out.metrics.num_preemptions if out.metrics is not None else 0
-        self._put(out.request_id, StreamChunk(out.request_id, self.worker_id, deltas, out.finished, None, npre))
+        m = out.metrics
+        npre = m.num_preemptions if m is not None else 0
+        queue_s = None
+        if m is not None and m.first_scheduled_time is not None and not any(sent.get(c.index, 0) > len(c.token_ids)
+                                                                            for c in out.outputs):
+            queue_s = m.first_scheduled_time - m.arrival_time  # the request's first chunk
+        self._put(out.request_id, StreamChunk(out.request_id, self.worker_id, deltas, out.finished, None, npre,
+                                              queue_s))
 
     def _fail(self, tb: str) -> None:
         """The engine raised inside a step: its state cannot be trusted. Every request fails
@@ -315,7 +326,12 @@ class EngineWorker:
         return WorkerLoad(self.worker_id, time.time(), st.num_kv_blocks, st.num_free_blocks, st.num_cpu_blocks,
                           swap.num_free if swap is not None else 0, e.config.block_size, st.num_running,
                           st.num_waiting, st.num_swapped, queued, rate, st.num_preemptions, st.swapped_out_blocks,
-                          st.swapped_in_blocks, self.num_migrations_in, self.num_migrations_out, self._draining, reqs)
+                          st.swapped_in_blocks, self.num_migrations_in, self.num_migrations_out, self._draining, reqs,
+                          {"prompt_tokens": self.num_prompt_tokens, "generation_tokens": st.num_generated_tokens,
+                           "preemptions_swap": st.preemptions_by_mode.get("swap", 0),
+                           "preemptions_recompute": st.preemptions_by_mode.get("recompute", 0),
+                           "prefix_cache_queries": st.prefix_cache_queries, "prefix_cache_hits": st.prefix_cache_hits,
+                           "cpu_usage": st.cpu_usage})
 
     def _offer_load(self) -> None:
         if self._publisher is None or self.failed:

@@ -25,3 +25,8 @@ class UnavailableError(FolioError):
 class WorkerFailedError(UnavailableError):
     """The worker running a request died or its engine failed after tokens were streamed:
     the request cannot be resumed elsewhere without repeating or losing tokens."""
+
+
+class OverloadedError(FolioError):
+    """The admission queue is full (HTTP 429 with Retry-After / gRPC RESOURCE_EXHAUSTED):
+    the request was not queued; retry later."""

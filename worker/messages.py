@@ -38,6 +38,7 @@ class StreamChunk:
     finished: bool = False  # the last chunk of the request
     migrated_to: str | None = None  # the stream continues on this worker (attach there)
     num_preemptions: int = 0
+    queue_s: float | None = None  # arrival to first scheduled, on the request's first chunk with tokens
 
 
 @dataclass
@@ -74,6 +75,7 @@ class WorkerLoad:
     num_migrations_out: int
     draining: bool = False
     requests: list[RequestSummary] = field(default_factory=list)
+    counters: dict = field(default_factory=dict)  # cumulative engine figures for /metrics
 
     @property
     def kv_usage(self) -> float:

@@ -21,10 +21,15 @@ def make_request_output(group: SequenceGroup, kind: str) -> RequestOutput | None
     for seq in group.seqs:
         if kind == "delta":
             ids = seq.output_token_ids[seq._sent_tokens :]
-            text = seq.output_text[seq._sent_text_len :]
+            end = len(seq.output_text)
+            if seq.params.stop and not seq.is_finished:
+                # hold back what could still turn out to be the start of a stop string:
+                # once matched, the stop string is cut from the text, so it must not be sent
+                end = max(seq._sent_text_len, end - (max(len(s) for s in seq.params.stop) - 1))
+            text = seq.output_text[seq._sent_text_len : end]
             lps = seq.logprobs[seq._sent_tokens :] if seq.logprobs is not None else None
             seq._sent_tokens += len(ids)
-            seq._sent_text_len = len(seq.output_text)
+            seq._sent_text_len = end
         else:
             ids, text, lps = seq.output_token_ids, seq.output_text, seq.logprobs
         completions.append(CompletionOutput(seq.index, ids, text, seq.finish_reason, seq.stop_reason, lps))

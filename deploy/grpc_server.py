@@ -1,0 +1,173 @@
+"""The gRPC frontend: folio.v1.Generation (deploy/proto/folio/v1/generate.proto), the
+standard grpc.health.v1.Health service, and server reflection.
+
+Status codes: INVALID_ARGUMENT (bad input), RESOURCE_EXHAUSTED (admission queue
+full), UNAVAILABLE (no live worker), DEADLINE_EXCEEDED (the client's deadline: the
+request is aborted when it passes), CANCELLED (aborted), UNAUTHENTICATED (API key
+set and `authorization: Bearer <key>` missing from the metadata). A client that
+cancels or disconnects aborts its request: the handler's stream is closed, which
+aborts it on the worker within one engine step.
+"""
+
+from __future__ import annotations
+
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from folio.deploy.frontend import Frontend
+from folio.v1 import generate_pb2 as pb
+from folio.v1 import generate_pb2_grpc as pb_grpc
+from folio.worker.errors import FolioError, InvalidRequestError, OverloadedError, UnavailableError
+from folio.worker.sampling_params import SamplingParams
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # reachable without the API key
+
+
+def status_of(e: Exception) -> grpc.StatusCode:
+    if isinstance(e, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(e, OverloadedError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(e, UnavailableError):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INTERNAL
+
+
+def sampling_params(s: pb.SamplingParameters) -> SamplingParams:
+    return SamplingParams(
+        n=s.n if s.HasField("n") else 1,
+        max_tokens=s.max_tokens if s.HasField("max_tokens") else 16,
+        temperature=s.temperature if s.HasField("temperature") else 1.0,
+        top_p=s.top_p if s.HasField("top_p") else 1.0,
+        top_k=s.top_k if s.HasField("top_k") else 0,
+        min_p=s.min_p if s.HasField("min_p") else 0.0,
+        seed=s.seed if s.HasField("seed") else None,
+        stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
+        include_stop_str_in_output=s.include_stop_str_in_output, skip_special_tokens=not s.skip_special_tokens_off)
+
+
+def _logprobs(entries) -> list:
+    return [pb.TopLogprobs(entries=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in d.items()])
+            for d in entries or []]
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+
+    def _prompt(self, request: pb.GenerateRequest) -> list[int]:
+        which = request.WhichOneof("prompt")
+        if which == "text":
+            return self.frontend.prompt_ids(request.text)
+        if which == "token_ids":
+            ids = list(request.token_ids.ids)
+            if not ids:
+                raise InvalidRequestError("the prompt is empty")
+            return ids
+        raise InvalidRequestError("the request has no prompt: set text or token_ids")
+
+    async def _stream(self, request, context):
+        """(chunk) of the request, with errors turned into the RPC's status."""
+        try:
+            ids = self._prompt(request)
+            params = sampling_params(request.sampling)
+            gen = self.frontend.generate(ids, params, request.priority, request.request_id or None)
+            async for chunk in gen:
+                yield ids, chunk
+        except FolioError as e:
+            await context.abort(status_of(e), str(e))
+
+    async def Generate(self, request, context):
+        texts, tokens, reasons, lps = {}, {}, {}, {}
+        rid, n_prompt = request.request_id, 0
+        async for ids, chunk in self._stream(request, context):
+            rid, n_prompt = chunk.request_id, len(ids)
+            for d in chunk.deltas:
+                texts.setdefault(d.index, []).append(d.text)
+                tokens.setdefault(d.index, []).extend(d.token_ids)
+                lps.setdefault(d.index, []).extend(d.logprobs or [])
+                if d.finish_reason:
+                    reasons[d.index] = d.finish_reason
+        if "abort" in reasons.values():
+            await context.abort(grpc.StatusCode.CANCELLED, f"request {rid} was aborted")
+        completions = [pb.Completion(index=i, text="".join(texts[i]), token_ids=tokens[i],
+                                     finish_reason=reasons.get(i, ""), logprobs=_logprobs(lps[i]))
+                       for i in sorted(texts)]
+        out = sum(len(t) for t in tokens.values())
+        return pb.GenerateResponse(request_id=rid, completions=completions,
+                                   usage=pb.Usage(prompt_tokens=n_prompt, completion_tokens=out,
+                                                  total_tokens=n_prompt + out))
+
+    async def GenerateStream(self, request, context):
+        out = 0
+        async for ids, chunk in self._stream(request, context):
+            out += sum(len(d.token_ids) for d in chunk.deltas)
+            if any(d.finish_reason == "abort" for d in chunk.deltas):
+                await context.abort(grpc.StatusCode.CANCELLED, f"request {chunk.request_id} was aborted")
+            msg = pb.GenerateStreamResponse(
+                request_id=chunk.request_id, finished=chunk.finished,
+                deltas=[pb.Completion(index=d.index, text=d.text, token_ids=d.token_ids,
+                                      finish_reason=d.finish_reason or "", logprobs=_logprobs(d.logprobs))
+                        for d in chunk.deltas])
+            if chunk.finished:
+                msg.usage.CopyFrom(pb.Usage(prompt_tokens=len(ids), completion_tokens=out,
+                                            total_tokens=len(ids) + out))
+            yield msg
+
+    async def Abort(self, request, context):
+        return pb.AbortResponse(aborted=await self.frontend.abort(request.request_id))
+
+    async def GetModelInfo(self, request, context):
+        cfg = self.frontend.cfg
+        return pb.ModelInfo(model=cfg.model_name, max_model_len=cfg.max_model_len, block_size=cfg.block_size,
+                            vocab_size=self.frontend.vocab_size, num_workers=cfg.num_workers)
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, api_key: str) -> None:
+        self.expected = f"Bearer {api_key}"
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid API key is required in the "
+                                                                 "'authorization: Bearer <key>' metadata")
+        self._deny = deny
+
+    async def intercept_service(self, continuation, details):
+        if details.method.startswith(OPEN_METHODS):
+            return await continuation(details)
+        if dict(details.invocation_metadata or ()).get("authorization") == self.expected:
+            return await continuation(details)
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        if handler.response_streaming:
+            async def deny_stream(request, context):
+                await self._deny(request, context)
+                yield  # pragma: no cover
+            return grpc.unary_stream_rpc_method_handler(deny_stream, handler.request_deserializer,
+                                                        handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(self._deny, handler.request_deserializer,
+                                                   handler.response_serializer)
+
+
+async def start_grpc_server(frontend: Frontend, port: int, host: str = "0.0.0.0") -> grpc.aio.Server:
+    interceptors = [ApiKeyInterceptor(frontend.cfg.api_key)] if frontend.cfg.api_key else []
+    server = grpc.aio.server(interceptors=interceptors)
+    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                         reflection.SERVICE_NAME), server)
+    if server.add_insecure_port(f"{host}:{port}") == 0:
+        raise RuntimeError(f"cannot bind the gRPC port {port}")
+    await server.start()
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server
+
+
+

@@ -1,0 +1,309 @@
+"""The client APIs against a real `folio serve` (two workers, the tiny model): the official
+`openai` client over HTTP, a grpcio client from the generated stubs, backpressure, auth,
+and /metrics. One server for the module: API key on, admission limit 6, small KV."""
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from folio.cluster.state import ClusterState
+from folio.v1 import generate_pb2 as pb
+from folio.v1 import generate_pb2_grpc as pb_grpc
+from folio.worker import LLM, SamplingParams
+
+from conftest import PROMPTS
+
+KEY = "test-key"
+AUTH = (("authorization", f"Bearer {KEY}"),)
+ENGINE = dict(block_size=8, num_kv_blocks=48, max_model_len=256, preemption_mode="swap")
+LIMIT = 6
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs):
+    http, grpc_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "folio.deploy.cli", "serve", "--model", model_dirs["llama"], "--num-workers", "2",
+           "--host", "127.0.0.1", "--http-port", str(http), "--grpc-port", str(grpc_port), "--api-key", KEY,
+           "--max-num-requests", str(LIMIT), "--block-size", "8", "--num-kv-blocks", "48", "--max-model-len", "256",
+           "--preemption-mode", "swap", "--router", "least-loaded", "--namespace", "fe", "--grace-period-s", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, RAY_AUTH_MODE="disabled"))
+    lines = []
+    deadline = time.monotonic() + 240
+    while not any("folio serve: ready" in line for line in lines):
+        assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+        lines.append(proc.stdout.readline())
+    redis_url = re.search(r"redis (redis://\S+)", lines[-1]).group(1)
+    yield {"http": f"http://127.0.0.1:{http}", "grpc": f"127.0.0.1:{grpc_port}", "redis": redis_url,
+           "model": model_dirs["llama"]}
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dirs):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dirs["llama"])
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server["http"] + "/v1", api_key=KEY, max_retries=0)
+
+
+def offline(model, prompts, **params):
+    return LLM(model, **ENGINE).generate(prompts, SamplingParams(**params))
+
+
+def wait_idle(server, timeout=15.0):
+    """Every worker back to all blocks free and nothing running: nothing was left behind."""
+    state = ClusterState(server["redis"], "fe")
+    deadline = time.monotonic() + timeout
+    while True:
+        loads = state.live_loads()
+        if len(loads) == 2 and all(l.num_free_blocks == l.num_kv_blocks and l.num_running + l.num_waiting +
+                                   l.num_swapped == 0 for l in loads.values()):
+            return
+        assert time.monotonic() < deadline, f"workers not idle: {loads}"
+        time.sleep(0.05)
+
+
+# ---- OpenAI HTTP ------------------------------------------------------------------------
+def test_completions_match_the_offline_engine(server, client):
+    ref = offline(server["model"], PROMPTS, max_tokens=12, temperature=0.0)
+    for prompt, want in zip(PROMPTS, ref):
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+        assert r.choices[0].text == want.text and r.choices[0].finish_reason == want.finish_reason
+        assert r.usage.completion_tokens == len(want.token_ids)
+        assert r.usage.prompt_tokens == len(want.prompt_token_ids)
+        streamed = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                             stream_options={"include_usage": True})
+        chunks = list(streamed)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+        assert chunks[-1].usage.total_tokens == r.usage.total_tokens
+    wait_idle(server)
+
+
+def test_completions_n_stop_and_seed(server, client):
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=10, temperature=1.0, seed=7, n=2)
+    assert sorted(c.index for c in r.choices) == [0, 1] and r.usage.completion_tokens > 10
+    again = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=10, temperature=1.0, seed=7, n=2)
+    assert [c.text for c in again.choices] == [c.text for c in r.choices]  # the seed travels with it
+    full = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=20, temperature=0, extra_body={
+        "ignore_eos": True}).choices[0].text
+    stop = full[len(full) // 2:][:3]
+    cut = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=20, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full[:full.index(stop)]
+    wait_idle(server)
+
+
+def test_chat_matches_the_offline_engine_on_the_chat_template(server, client, tokenizer):
+    messages = [{"role": "user", "content": "Write a function."}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    want = offline(server["model"], [ids], max_tokens=10, temperature=0.0)[0]
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    assert r.choices[0].message.content == want.text and r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len(ids)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    wait_idle(server)
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(prompt=""), "empty"),
+    (dict(prompt="x " * 400), "max_model_len"),
+    (dict(prompt="hi", max_tokens=-1), "max_tokens"),
+    (dict(prompt="hi", temperature=-1.0), "temperature"),
+    (dict(prompt="hi", top_p=2.0), "top_p"),
+    (dict(prompt=[10 ** 6]), "token ids"),
+])
+def test_bad_http_input_is_400_in_openai_shape(server, client, kwargs, fragment):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", **{"max_tokens": 4, **kwargs})
+    assert e.value.status_code == 400 and fragment in e.value.body["message"]
+    assert e.value.body["type"] == "invalid_request_error"
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [os.path.basename(server["model"])]
+    with urllib.request.urlopen(server["http"] + "/health") as r:  # open without the key
+        assert r.status == 200
+
+
+def test_http_without_the_api_key_is_401(server):
+    bad = openai.OpenAI(base_url=server["http"] + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model="tiny", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+# ---- gRPC -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def stub(server):
+    with grpc.insecure_channel(server["grpc"]) as channel:
+        yield pb_grpc.GenerationStub(channel)
+
+
+def req(text=None, ids=None, rid="", **sampling):
+    r = pb.GenerateRequest(sampling=pb.SamplingParameters(**sampling), request_id=rid)
+    if text is not None:
+        r.text = text
+    if ids is not None:
+        r.token_ids.ids.extend(ids)
+    return r
+
+
+def test_grpc_unary_and_stream_match_the_offline_engine(server, stub):
+    ref = offline(server["model"], PROMPTS[:3], max_tokens=12, temperature=0.0)
+    for prompt, want in zip(PROMPTS[:3], ref):
+        r = stub.Generate(req(prompt, max_tokens=12, temperature=0), metadata=AUTH)
+        assert list(r.completions[0].token_ids) == want.token_ids and r.completions[0].text == want.text
+        msgs = list(stub.GenerateStream(req(prompt, max_tokens=12, temperature=0), metadata=AUTH))
+        assert [t for m in msgs for d in m.deltas for t in d.token_ids] == want.token_ids
+        assert msgs[-1].finished and msgs[-1].usage.completion_tokens == len(want.token_ids)
+    info = stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=AUTH)
+    assert (info.max_model_len, info.block_size, info.num_workers) == (256, 8, 2)
+    wait_idle(server)
+
+
+def test_grpc_abort_cancel_and_deadline_free_the_blocks(server, stub):
+    long = dict(max_tokens=200, temperature=0, ignore_eos=True)
+    stream = stub.GenerateStream(req(ids=list(range(20, 40)), rid="to-abort", **long), metadata=AUTH)
+    next(stream)
+    assert stub.Abort(pb.AbortRequest(request_id="to-abort"), metadata=AUTH).aborted
+    with pytest.raises(grpc.RpcError) as e:
+        list(stream)
+    assert e.value.code() == grpc.StatusCode.CANCELLED
+    wait_idle(server)
+    stream = stub.GenerateStream(req(ids=list(range(20, 40)), **long), metadata=AUTH)
+    next(stream)
+    stream.cancel()  # the client goes away
+    wait_idle(server)
+    with pytest.raises(grpc.RpcError) as e:  # 236 tokens take longer than 0.1 s here
+        stub.Generate(req(ids=list(range(20, 40)), **dict(long, max_tokens=236)), metadata=AUTH, timeout=0.1)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_idle(server)
+    assert not stub.Abort(pb.AbortRequest(request_id="never-was"), metadata=AUTH).aborted
+
+
+@pytest.mark.parametrize("request_, fragment", [
+    (req(""), "empty"),
+    (req(ids=[]), "empty"),
+    (pb.GenerateRequest(), "no prompt"),
+    (req(ids=list(range(300))), "max_model_len"),
+    (req("hi", max_tokens=0), "max_tokens"),
+    (req("hi", temperature=-0.5), "temperature"),
+    (req("hi", top_p=1.5), "top_p"),
+    (req("hi", top_k=-3), "top_k"),
+    (req(ids=[10 ** 6]), "token ids"),
+])
+def test_grpc_bad_input_is_invalid_argument(server, stub, request_, fragment):
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(request_, metadata=AUTH)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and fragment in e.value.details()
+
+
+def test_grpc_health_reflection_and_auth(server, stub):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(server["grpc"]) as ch:  # no API key: health and reflection stay open
+        for service in ("", "folio.v1.Generation"):
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service))
+            assert r.status == health_pb2.HealthCheckResponse.SERVING
+        got = list(reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        assert "folio.v1.Generation" in {s.name for s in got[0].list_services_response.service}
+        for call in (lambda: pb_grpc.GenerationStub(ch).Generate(req("hi", max_tokens=2)),
+                     lambda: list(pb_grpc.GenerationStub(ch).GenerateStream(req("hi", max_tokens=2)))):
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+# ---- backpressure and metrics -----------------------------------------------------------
+def metric(server, name, **labels) -> float:
+    with urllib.request.urlopen(server["http"] + "/metrics") as r:
+        text = r.read().decode()
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+def test_burst_past_the_admission_limit_gets_429_and_the_rest_complete(server):
+    before_gen = metric(server, "folio_generation_tokens_total")
+    before_pre = metric(server, "folio_preemptions_total")
+    before_len = metric(server, "folio_requests_total", finish_reason="length")
+    aclient = openai.AsyncOpenAI(base_url=server["http"] + "/v1", api_key=KEY, max_retries=0)
+
+    async def one(i):
+        try:
+            r = await aclient.completions.create(model="tiny", prompt=list(range(30 + i, 70 + i)), max_tokens=120,
+                                                 temperature=0, extra_body={"ignore_eos": True})
+            return r.usage.completion_tokens
+        except openai.RateLimitError as e:
+            assert e.response.headers.get("retry-after") == "1"
+            return "429"
+
+    async def burst():
+        return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(3 * LIMIT))), 180)
+    results = asyncio.run(burst())
+    assert results.count("429") >= LIMIT  # 18 at once, 6 admitted: the excess is refused at once
+    assert all(r == 120 for r in results if r != "429")  # every admitted request completes
+    # 6 x 160 tokens on 2 x 48 blocks of 8: the workers preempt, and the counters move
+    wait_idle(server)  # (the workers' counters arrive with their next heartbeat)
+    assert metric(server, "folio_generation_tokens_total") >= before_gen + 120 * results.count(120)
+    assert metric(server, "folio_preemptions_total") > before_pre
+    assert metric(server, "folio_requests_total", finish_reason="length") >= before_len + results.count(120)
+    assert metric(server, "folio_time_to_first_token_seconds_count") > 0
+    wait_idle(server)
+
+
+def test_grpc_burst_gets_resource_exhausted(server):
+    async def main():
+        async with grpc.aio.insecure_channel(server["grpc"]) as ch:
+            s = pb_grpc.GenerationStub(ch)
+
+            async def one(i):
+                try:
+                    await s.Generate(req(ids=list(range(30 + i, 60 + i)), max_tokens=60, temperature=0,
+                                         ignore_eos=True), metadata=AUTH)
+                    return "ok"
+                except grpc.aio.AioRpcError as e:
+                    return e.code()
+            return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(3 * LIMIT))), 180)
+    codes = asyncio.run(main())
+    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= LIMIT
+    assert set(codes) <= {"ok", grpc.StatusCode.RESOURCE_EXHAUSTED} and "ok" in codes
+    wait_idle(server)
