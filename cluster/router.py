@@ -170,10 +170,14 @@ class Router:
             await stream.aclose()  # a caller that went away: the worker aborts the request
 
     async def abort(self, request_id: str) -> bool:
+        """Abort wherever the request runs. A request streamed through another router
+        (another frontend replica) is looked for on every live worker."""
         wid = self._where.get(request_id)
-        if wid is None:
-            return False
-        try:
-            return await self.client.abort(wid, request_id)
-        except (WorkerDiedError, InvalidRequestError):
-            return False
+        candidates = [wid] if wid is not None else list(await self.live_loads(refresh=True))
+        for w in candidates:
+            try:
+                if await self.client.abort(w, request_id):
+                    return True
+            except (WorkerDiedError, InvalidRequestError):
+                continue
+        return False

@@ -95,24 +95,29 @@ def completion_prompts(frontend: Frontend, prompt) -> list[list[int]]:
     raise InvalidRequestError("prompt must be a string, a list of strings, or token ids")
 
 
-def _logprobs_completion(tok, entries: list[dict]) -> dict:
+def _top(d: dict, k: int) -> list[tuple[int, float]]:
+    """The k most likely tokens of a step (the engine sends the chosen token plus the top k)."""
+    return sorted(d.items(), key=lambda kv: -kv[1])[:k]
+
+
+def _logprobs_completion(tok, entries: list[dict], k: int) -> dict:
     tokens, lps, tops = [], [], []
     for d in entries:
         chosen = next(iter(d))
         tokens.append(tok.decode([chosen]))
         lps.append(d[chosen])
-        tops.append({tok.decode([t]): lp for t, lp in d.items()})
+        tops.append({tok.decode([t]): lp for t, lp in _top(d, k)})
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": []}
 
 
-def _logprobs_chat(tok, entries: list[dict]) -> dict:
+def _logprobs_chat(tok, entries: list[dict], k: int) -> dict:
+    def item(t, lp):
+        s = tok.decode([t])
+        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
     content = []
     for d in entries:
         chosen = next(iter(d))
-        s = tok.decode([chosen])
-        content.append({"token": s, "logprob": d[chosen], "bytes": list(s.encode()),
-                        "top_logprobs": [{"token": tok.decode([t]), "logprob": lp, "bytes": list(tok.decode([t]).encode())}
-                                         for t, lp in list(d.items())[1:]]})
+        content.append({**item(chosen, d[chosen]), "top_logprobs": [item(t, lp) for t, lp in _top(d, k)]})
     return {"content": content}
 
 
@@ -226,7 +231,7 @@ async def _respond(frontend: Frontend, body: dict, run: _Run, chat: bool):
         text = "".join(texts[i])
         lp = None
         if run.params.logprobs is not None:
-            lp = (_logprobs_chat if chat else _logprobs_completion)(tok, lps.get(i, []))
+            lp = (_logprobs_chat if chat else _logprobs_completion)(tok, lps.get(i, []), run.params.logprobs)
         if chat:
             choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                             "finish_reason": reasons.get(i)})
@@ -249,11 +254,11 @@ async def _sse(events, run, rid, obj, created, model, chat, include_usage, tok) 
                     delta["content"] = d.text
                 choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": d.finish_reason}
                 if d.logprobs and run.params.logprobs is not None:
-                    choice["logprobs"] = _logprobs_chat(tok, d.logprobs)
+                    choice["logprobs"] = _logprobs_chat(tok, d.logprobs, run.params.logprobs)
             else:
                 choice = {"index": i, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason}
                 if d.logprobs and run.params.logprobs is not None:
-                    choice["logprobs"] = _logprobs_completion(tok, d.logprobs)
+                    choice["logprobs"] = _logprobs_completion(tok, d.logprobs, run.params.logprobs)
             chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
             if include_usage:
                 chunk["usage"] = None

@@ -38,11 +38,12 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(model_dirs):
-    http, grpc_port = free_port(), free_port()
+    http, grpc_port, metrics_port = free_port(), free_port(), free_port()
     cmd = [sys.executable, "-m", "folio.deploy.cli", "serve", "--model", model_dirs["llama"], "--num-workers", "2",
            "--host", "127.0.0.1", "--http-port", str(http), "--grpc-port", str(grpc_port), "--api-key", KEY,
            "--max-num-requests", str(LIMIT), "--block-size", "8", "--num-kv-blocks", "48", "--max-model-len", "256",
-           "--preemption-mode", "swap", "--router", "least-loaded", "--namespace", "fe", "--grace-period-s", "2"]
+           "--preemption-mode", "swap", "--router", "least-loaded", "--namespace", "fe", "--grace-period-s", "2",
+           "--metrics-port", str(metrics_port)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, RAY_AUTH_MODE="disabled"))
     lines = []
@@ -52,7 +53,7 @@ def server(model_dirs):
         lines.append(proc.stdout.readline())
     redis_url = re.search(r"redis (redis://\S+)", lines[-1]).group(1)
     yield {"http": f"http://127.0.0.1:{http}", "grpc": f"127.0.0.1:{grpc_port}", "redis": redis_url,
-           "model": model_dirs["llama"]}
+           "model": model_dirs["llama"], "metrics": f"http://127.0.0.1:{metrics_port}"}
     proc.send_signal(signal.SIGTERM)
     try:
         proc.communicate(timeout=60)
@@ -81,11 +82,12 @@ def offline(model, prompts, **params):
 def wait_idle(server, timeout=15.0):
     """Every worker back to all blocks free and nothing running: nothing was left behind."""
     state = ClusterState(server["redis"], "fe")
+    since = time.time()
     deadline = time.monotonic() + timeout
     while True:
         loads = state.live_loads()
-        if len(loads) == 2 and all(l.num_free_blocks == l.num_kv_blocks and l.num_running + l.num_waiting +
-                                   l.num_swapped == 0 for l in loads.values()):
+        if len(loads) == 2 and all(l.timestamp > since and l.num_free_blocks == l.num_kv_blocks and  # a fresh beat
+                                   l.num_running + l.num_waiting + l.num_swapped == 0 for l in loads.values()):
             return
         assert time.monotonic() < deadline, f"workers not idle: {loads}"
         time.sleep(0.05)
@@ -134,6 +136,40 @@ def test_chat_matches_the_offline_engine_on_the_chat_template(server, client, to
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
     wait_idle(server)
+
+
+def test_logprobs_in_completions_and_chat(server, client):
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=5, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(lp.tokens) == len(lp.top_logprobs) == r.usage.completion_tokens
+    assert all(x <= 0.0 for x in lp.token_logprobs) and all(len(t) == 2 for t in lp.top_logprobs)
+    c = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       temperature=0, logprobs=True, top_logprobs=2,
+                                       extra_body={"ignore_eos": True})
+    content = c.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
+
+
+def test_http_client_that_disconnects_aborts_its_request(server):
+    import http.client
+    import json
+
+    body = {"model": "tiny", "prompt": list(range(20, 40)), "max_tokens": 230, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    wait_idle(server)
+    aborted, generated = metric(server, "folio_requests_total", finish_reason="abort"), generated_tokens(server)
+    host, port = server["http"].removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Authorization": f"Bearer {KEY}",
+                                                                 "Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200
+    assert r.readline().startswith(b"data: ")  # generating...
+    conn.sock.close()  # ...and gone, with most of the 230 tokens not generated yet
+    conn.close()
+    wait_idle(server)
+    assert metric(server, "folio_requests_total", finish_reason="abort") == aborted + 1
+    assert generated_tokens(server) - generated < 200  # it stopped: it did not run to 230
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
@@ -194,8 +230,14 @@ def test_grpc_unary_and_stream_match_the_offline_engine(server, stub):
     wait_idle(server)
 
 
+def generated_tokens(server) -> float:
+    return metric(server, "folio_generation_tokens_total")
+
+
 def test_grpc_abort_cancel_and_deadline_free_the_blocks(server, stub):
-    long = dict(max_tokens=200, temperature=0, ignore_eos=True)
+    long = dict(max_tokens=230, temperature=0, ignore_eos=True)
+    wait_idle(server)
+    generated = generated_tokens(server)
     stream = stub.GenerateStream(req(ids=list(range(20, 40)), rid="to-abort", **long), metadata=AUTH)
     next(stream)
     assert stub.Abort(pb.AbortRequest(request_id="to-abort"), metadata=AUTH).aborted
@@ -207,10 +249,13 @@ def test_grpc_abort_cancel_and_deadline_free_the_blocks(server, stub):
     next(stream)
     stream.cancel()  # the client goes away
     wait_idle(server)
+    assert generated_tokens(server) - generated < 2 * 200  # neither request ran to its 230 tokens
+    generated = generated_tokens(server)
     with pytest.raises(grpc.RpcError) as e:  # 236 tokens take longer than 0.1 s here
         stub.Generate(req(ids=list(range(20, 40)), **dict(long, max_tokens=236)), metadata=AUTH, timeout=0.1)
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_idle(server)
+    assert generated_tokens(server) - generated < 200
     assert not stub.Abort(pb.AbortRequest(request_id="never-was"), metadata=AUTH).aborted
 
 
@@ -287,6 +332,9 @@ def test_burst_past_the_admission_limit_gets_429_and_the_rest_complete(server):
     assert metric(server, "folio_preemptions_total") > before_pre
     assert metric(server, "folio_requests_total", finish_reason="length") >= before_len + results.count(120)
     assert metric(server, "folio_time_to_first_token_seconds_count") > 0
+    with urllib.request.urlopen(server["metrics"]) as r:  # the separate metrics port serves the same families
+        names = {f.name for f in text_string_to_metric_families(r.read().decode())}
+    assert {"folio_kv_cache_usage_ratio", "folio_preemptions", "folio_e2e_request_latency_seconds"} <= names
     wait_idle(server)
 
 
