@@ -179,6 +179,11 @@ def test_http_client_that_disconnects_aborts_its_request(server):
     (dict(prompt="hi", temperature=-1.0), "temperature"),
     (dict(prompt="hi", top_p=2.0), "top_p"),
     (dict(prompt=[10 ** 6]), "token ids"),
+    (dict(prompt="hi", extra_body={"temperature": "hot"}), "bad sampling parameter"),
+    (dict(prompt="hi", n=0), "n must be"),
+    (dict(prompt="hi", stop=[""]), "stop strings"),
+    (dict(prompt="hi", extra_body={"top_k": 1.5}), "top_k"),
+    (dict(prompt="hi", presence_penalty=0.5), "presence_penalty is not supported"),
 ])
 def test_bad_http_input_is_400_in_openai_shape(server, client, kwargs, fragment):
     with pytest.raises(openai.BadRequestError) as e:
@@ -355,3 +360,17 @@ def test_grpc_burst_gets_resource_exhausted(server):
     assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= LIMIT
     assert set(codes) <= {"ok", grpc.StatusCode.RESOURCE_EXHAUSTED} and "ok" in codes
     wait_idle(server)
+
+
+def test_error_mapping_of_both_frontends():
+    from folio.deploy.grpc_server import status_of
+    from folio.deploy.openai_http import http_error
+    from folio.worker.errors import InvalidRequestError, OverloadedError, UnavailableError, WorkerFailedError
+
+    cases = [(InvalidRequestError("x"), 400, grpc.StatusCode.INVALID_ARGUMENT),
+             (OverloadedError("x"), 429, grpc.StatusCode.RESOURCE_EXHAUSTED),
+             (UnavailableError("x"), 503, grpc.StatusCode.UNAVAILABLE),
+             (WorkerFailedError("x"), 503, grpc.StatusCode.UNAVAILABLE)]
+    for err, status, code in cases:
+        assert http_error(err).status == status and status_of(err) == code
+    assert http_error(OverloadedError("x")).headers == {"Retry-After": "1"}
