@@ -49,10 +49,18 @@ def build_parser() -> argparse.ArgumentParser:
     from folio.deploy.serve import add_serve_parser
 
     add_serve_parser(sub)
+    from folio.deploy.bench import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "compare"]:
+        from folio.deploy.bench import compare_main
+
+        return compare_main(argv[2:])
     args = build_parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.command == "make-tiny-model":
@@ -88,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
                 for c in out.outputs:
                     print(f"{out.prompt!r} -> {c.text!r} [{c.finish_reason}]")
         return 0
+    if args.command == "bench":
+        from folio.deploy.bench import bench_main
+
+        return bench_main(args)
     if args.command == "serve":
         from folio.deploy.serve import serve
 

@@ -81,3 +81,51 @@ def hf_greedy(model_dir: str, prompts: list[str], max_new_tokens: int) -> list[l
 @pytest.fixture(scope="session")
 def hf_reference():
     return hf_greedy
+
+
+# ---- one `folio serve` for the tests of the client APIs and of the load harness ----------
+FOLIO_SERVER_KEY = "test-key"
+FOLIO_SERVER_LIMIT = 6  # --max-num-requests: a burst past it gets 429 / RESOURCE_EXHAUSTED
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def folio_server(model_dirs):
+    """`folio serve` as a user runs it: two workers on the tiny Llama, API key on, admission
+    limit 6, 48 KV blocks of 8 tokens per worker (swap preemption), all three ports."""
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    http, grpc_port, metrics_port = _free_port(), _free_port(), _free_port()
+    cmd = [sys.executable, "-m", "folio.deploy.cli", "serve", "--model", model_dirs["llama"], "--num-workers", "2",
+           "--host", "127.0.0.1", "--http-port", str(http), "--grpc-port", str(grpc_port),
+           "--api-key", FOLIO_SERVER_KEY, "--max-num-requests", str(FOLIO_SERVER_LIMIT), "--block-size", "8",
+           "--num-kv-blocks", "48", "--max-model-len", "256", "--preemption-mode", "swap",
+           "--router", "least-loaded", "--namespace", "fe", "--grace-period-s", "2", "--metrics-port", str(metrics_port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, RAY_AUTH_MODE="disabled"))
+    lines = []
+    deadline = time.monotonic() + 240
+    while not any("folio serve: ready" in line for line in lines):
+        assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+        lines.append(proc.stdout.readline())
+    redis_url = re.search(r"redis (redis://\S+)", lines[-1]).group(1)
+    yield {"http": f"http://127.0.0.1:{http}", "grpc": f"127.0.0.1:{grpc_port}", "redis": redis_url,
+           "model": model_dirs["llama"], "metrics": f"http://127.0.0.1:{metrics_port}"}
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0

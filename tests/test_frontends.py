@@ -1,14 +1,9 @@
 """The client APIs against a real `folio serve` (two workers, the tiny model): the official
 `openai` client over HTTP, a grpcio client from the generated stubs, backpressure, auth,
-and /metrics. One server for the module: API key on, admission limit 6, small KV."""
+and /metrics. One server (conftest's `folio_server`): API key on, admission limit 6, small KV."""
 
 import asyncio
 import os
-import re
-import signal
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
 
@@ -22,45 +17,17 @@ from folio.v1 import generate_pb2 as pb
 from folio.v1 import generate_pb2_grpc as pb_grpc
 from folio.worker import LLM, SamplingParams
 
+from conftest import FOLIO_SERVER_KEY as KEY
+from conftest import FOLIO_SERVER_LIMIT as LIMIT
 from conftest import PROMPTS
 
-KEY = "test-key"
 AUTH = (("authorization", f"Bearer {KEY}"),)
 ENGINE = dict(block_size=8, num_kv_blocks=48, max_model_len=256, preemption_mode="swap")
-LIMIT = 6
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
-def server(model_dirs):
-    http, grpc_port, metrics_port = free_port(), free_port(), free_port()
-    cmd = [sys.executable, "-m", "folio.deploy.cli", "serve", "--model", model_dirs["llama"], "--num-workers", "2",
-           "--host", "127.0.0.1", "--http-port", str(http), "--grpc-port", str(grpc_port), "--api-key", KEY,
-           "--max-num-requests", str(LIMIT), "--block-size", "8", "--num-kv-blocks", "48", "--max-model-len", "256",
-           "--preemption-mode", "swap", "--router", "least-loaded", "--namespace", "fe", "--grace-period-s", "2",
-           "--metrics-port", str(metrics_port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, RAY_AUTH_MODE="disabled"))
-    lines = []
-    deadline = time.monotonic() + 240
-    while not any("folio serve: ready" in line for line in lines):
-        assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
-        lines.append(proc.stdout.readline())
-    redis_url = re.search(r"redis (redis://\S+)", lines[-1]).group(1)
-    yield {"http": f"http://127.0.0.1:{http}", "grpc": f"127.0.0.1:{grpc_port}", "redis": redis_url,
-           "model": model_dirs["llama"], "metrics": f"http://127.0.0.1:{metrics_port}"}
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0
+def server(folio_server):
+    return folio_server
 
 
 @pytest.fixture(scope="module")
