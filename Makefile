@@ -22,7 +22,8 @@ test: venv
 	$(PY) -m pytest -q
 
 # The main job: make the benchmark's tiny model, generate with it, measure paged vs contiguous vs HF,
-# then serve it from a local cluster (Ray workers, embedded Redis, router, coordinator) under a burst.
+# then serve it from a local cluster (Ray workers, embedded Redis, router, coordinator) under a burst,
+# and through `folio serve` (HTTP + gRPC) driven by the load harness `folio bench`.
 run: venv
 	$(PY) -m folio.deploy.cli make-tiny-model models/tiny-llama-8l --hidden-size 512 --num-layers 8 \
 		--num-heads 8 --num-kv-heads 4 --intermediate-size 1408 --vocab-size 8192 --seed 0
@@ -31,6 +32,7 @@ run: venv
 	$(PY) benchmarks/offline_throughput.py --model models/tiny-llama-8l --quick
 	$(PY) benchmarks/cluster_local.py --model models/tiny-llama-8l --requests 16 \
 		--out benchmarks/results/cluster_local_quick.json
+	$(PY) benchmarks/serve_local.py --model models/tiny-llama-8l
 
 bench: venv
 	$(PY) benchmarks/offline_throughput.py --model models/tiny-llama-8l

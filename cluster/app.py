@@ -46,6 +46,7 @@ class ClusterConfig:
     coordinator_interval_s: float = 0.1
     coordinator: bool = True
     ready_timeout_s: float = 180.0
+    detached: bool = False  # actors outlive their creator (a Serve app builder on KubeRay); reused if present
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -104,7 +105,8 @@ class FolioCluster:
         client = RayWorkerClient(cfg.namespace, cfg.namespace)
         if cfg.coordinator:
             self.coordinator = ray.remote(CoordinatorActor).options(
-                num_cpus=0.05, name=f"{cfg.namespace}-coordinator", namespace=cfg.namespace).remote(
+                num_cpus=0.05, name=f"{cfg.namespace}-coordinator", namespace=cfg.namespace,
+                **self._lifetime()).remote(
                 self.redis_url, cfg.namespace, cfg.namespace, interval_s=cfg.coordinator_interval_s)
             ray.get(self.coordinator.start.remote())
         self.router = Router(ClusterState(self.redis_url, cfg.namespace), client, cfg.router)
@@ -114,11 +116,15 @@ class FolioCluster:
         cfg = self.config
         engine_config = EngineConfig(model=os.path.abspath(cfg.model), **engine_fields)
         handle = Worker.options(name=actor_name(cfg.namespace, wid), namespace=cfg.namespace, num_gpus=1,
-                                num_cpus=cfg.worker_num_cpus, max_concurrency=1000, max_restarts=0).remote(
+                                num_cpus=cfg.worker_num_cpus, max_concurrency=1000, max_restarts=0,
+                                **self._lifetime()).remote(
             wid, functools.partial(make_engine, engine_config, threads),
             functools.partial(WorkerPublisher, self.redis_url, cfg.namespace), cfg.heartbeat_s)
         self.workers[wid] = handle
         return handle
+
+    def _lifetime(self) -> dict:
+        return {"lifetime": "detached", "get_if_exists": True} if self.config.detached else {}
 
     def wait_ready(self, n: int) -> None:
         import ray

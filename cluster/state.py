@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 
 import redis
 import redis.asyncio
@@ -44,8 +45,15 @@ return out
 """
 
 
+def _password() -> dict:
+    """FOLIO_REDIS_PASSWORD (the chart sets it from a Secret for an external Redis)."""
+    pw = os.environ.get("FOLIO_REDIS_PASSWORD")
+    return {"password": pw} if pw else {}
+
+
 def connect(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5, retry_on_timeout=False)
+    return redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5, retry_on_timeout=False,
+                                **_password())
 
 
 def load_to_json(load: WorkerLoad) -> str:
@@ -163,7 +171,8 @@ class ClusterState:
         """An asyncio client per event loop (a connection belongs to the loop that made it)."""
         loop = asyncio.get_running_loop()
         if self._aloop is not loop:
-            self._ar = redis.asyncio.Redis.from_url(self.url, socket_timeout=0.5, socket_connect_timeout=0.5)
+            self._ar = redis.asyncio.Redis.from_url(self.url, socket_timeout=0.5, socket_connect_timeout=0.5,
+                                                    **_password())
             self._awalk = self._ar.register_script(_WALK_PREFIX)
             self._aloop = loop
         return self._ar

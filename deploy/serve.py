@@ -103,28 +103,33 @@ def serve(args) -> int:
     return 0
 
 
-def start_frontends(args, cluster) -> str:
-    """The Serve app (HTTP on --http-port, gRPC on --grpc-port); returns a description."""
-    if not args.http_port and not args.grpc_port:
-        return ""
-    from ray import serve as ray_serve
-
+def frontend_config(args, cluster):
+    """The frontends' configuration from `folio serve`'s arguments and the started cluster."""
     from folio.deploy.frontend import FrontendConfig
-    from folio.deploy.serve_app import build_app
     from folio.worker.config import EngineConfig
     from folio.worker.models.config import ModelConfig
     from folio.worker.sizing import max_model_len
 
     cfg = cluster.config
     engine = EngineConfig(model=cfg.model, **cfg.engine)
-    fcfg = FrontendConfig(model=os.path.abspath(cfg.model), redis_url=cluster.redis_url, namespace=cfg.namespace,
+    return FrontendConfig(model=os.path.abspath(cfg.model), redis_url=cluster.redis_url, namespace=cfg.namespace,
                           router=cfg.router, max_model_len=max_model_len(engine, ModelConfig.from_dir(cfg.model)),
                           block_size=engine.block_size, num_workers=cfg.num_workers,
                           max_num_requests=args.max_num_requests, api_key=args.api_key,
                           served_model_name=args.served_model_name, grpc_port=args.grpc_port or None,
                           metrics_port=args.metrics_port or None)
+
+
+def start_frontends(args, cluster) -> str:
+    """The Serve app (HTTP on --http-port, gRPC on --grpc-port); returns a description."""
+    if not args.http_port and not args.grpc_port:
+        return ""
+    from ray import serve as ray_serve
+
+    from folio.deploy.serve_app import build_app
+
     ray_serve.start(http_options={"host": args.host, "port": args.http_port or 8000})
-    ray_serve.run(build_app(fcfg), name="folio", route_prefix="/")
+    ray_serve.run(build_app(frontend_config(args, cluster)), name="folio", route_prefix="/")
     parts = []
     if args.http_port:
         parts.append(f"http://{args.host}:{args.http_port}")

@@ -1,0 +1,39 @@
+"""Folio's Serve application for KubeRay's RayService (helm/folio): the import path
+`folio.deploy.k8s_app:build` in `serveConfigV2`, with `folio serve`'s own arguments.
+
+    applications:
+      - name: folio
+        import_path: folio.deploy.k8s_app:build
+        args: {argv: ["--model", "/models/model", "--num-workers", "4", "--address", "auto", ...],
+               frontend_replicas: 1}
+
+The builder runs inside the Ray cluster: it starts (or finds, after a redeploy) the
+workers and the coordinator as detached actors, waits for their heartbeats in Redis,
+and returns the frontend deployment, pinned to the head by the `folio-frontend`
+resource that the chart gives only the head pod.
+"""
+
+from __future__ import annotations
+
+
+def parse_argv(argv: list[str]):
+    """`folio serve`'s parser on the chart's arguments (the chart test uses this too)."""
+    from folio.deploy.cli import build_parser
+
+    return build_parser().parse_args(["serve", *argv])
+
+
+def build(args: dict):
+    from folio.cluster.app import FolioCluster
+    from folio.deploy.serve import cluster_config, frontend_config
+    from folio.deploy.serve_app import FolioFrontend
+
+    ns = parse_argv(list(args["argv"]))
+    if not ns.redis_url:
+        raise ValueError("on Kubernetes --redis-url is required (the chart's Redis or an external one)")
+    config = cluster_config(ns)
+    config.detached = True
+    cluster = FolioCluster(config).start()
+    return FolioFrontend.options(num_replicas=int(args.get("frontend_replicas", 1)),
+                                 ray_actor_options={"num_cpus": 0.1, "resources": {"folio-frontend": 1}}
+                                 ).bind(frontend_config(ns, cluster))

@@ -1,0 +1,146 @@
+{{- define "folio.name" -}}{{ .Chart.Name }}{{- end -}}
+{{- define "folio.fullname" -}}{{ printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" }}{{- end -}}
+
+{{- define "folio.labels" -}}
+app.kubernetes.io/name: {{ include "folio.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "folio.headSelector" -}}
+app.kubernetes.io/instance: {{ .Release.Name }}
+folio.io/role: head
+{{- end -}}
+
+{{- define "folio.image" -}}{{ printf "%s:%s" .Values.image.repository .Values.image.tag }}{{- end -}}
+
+{{- define "folio.redisUrl" -}}
+{{- if .Values.redis.enabled -}}
+{{ printf "redis://%s-redis:6379/0" (include "folio.fullname" .) }}
+{{- else -}}
+{{ .Values.redis.url }}
+{{- end -}}
+{{- end -}}
+
+{{- define "folio.numWorkers" -}}{{ mul .Values.workers.replicas .Values.workers.gpusPerPod }}{{- end -}}
+
+{{/* The arguments of `folio serve` (tests parse them with the CLI's own parser). */}}
+{{- define "folio.serveArgs" -}}
+- --model
+- {{ .Values.model.path | quote }}
+- --num-workers
+- {{ include "folio.numWorkers" . | quote }}
+- --address
+- auto
+- --redis-url
+- {{ include "folio.redisUrl" . | quote }}
+- --router
+- {{ .Values.serve.router | quote }}
+- --namespace
+- {{ include "folio.fullname" . | quote }}
+- --block-size
+- {{ .Values.serve.blockSize | quote }}
+{{- if .Values.serve.maxModelLen }}
+- --max-model-len
+- {{ .Values.serve.maxModelLen | quote }}
+{{- end }}
+- --max-num-seqs
+- {{ .Values.serve.maxNumSeqs | quote }}
+- --dtype
+- {{ .Values.serve.dtype | quote }}
+- --kv-cache-memory-gb
+- {{ .Values.serve.kvCacheMemoryGb | quote }}
+- --preemption-mode
+- {{ .Values.serve.preemptionMode | quote }}
+- --swap-space-gb
+- {{ .Values.serve.swapSpaceGb | quote }}
+- --grace-period-s
+- {{ .Values.serve.gracePeriodSeconds | quote }}
+- --host
+- "0.0.0.0"
+- --http-port
+- {{ .Values.serve.httpPort | quote }}
+- --grpc-port
+- {{ .Values.serve.grpcPort | quote }}
+- --metrics-port
+- {{ .Values.serve.metricsPort | quote }}
+- --max-num-requests
+- {{ .Values.serve.maxNumRequests | quote }}
+{{- if .Values.model.servedModelName }}
+- --served-model-name
+- {{ .Values.model.servedModelName | quote }}
+{{- end }}
+{{- end -}}
+
+{{- define "folio.modelVolume" -}}
+- name: model
+{{- if eq .Values.model.source "pvc" }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.pvc.claimName }}
+    readOnly: true
+{{- else if eq .Values.model.source "hostPath" }}
+  hostPath:
+    path: {{ .Values.model.hostPath.path }}
+    type: Directory
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ .Values.model.download.sizeLimit | default "50Gi" }}
+{{- end }}
+{{- end -}}
+
+{{- define "folio.modelMount" -}}
+- name: model
+  mountPath: {{ .Values.model.path }}
+  {{- if and (eq .Values.model.source "pvc") .Values.model.pvc.subPath }}
+  subPath: {{ .Values.model.pvc.subPath }}
+  {{- end }}
+  readOnly: {{ ne .Values.model.source "download" }}
+{{- end -}}
+
+{{- define "folio.initContainers" -}}
+{{- if eq .Values.model.source "download" }}
+initContainers:
+  - name: download-model
+    image: {{ .Values.model.download.image }}
+    command: {{ toJson .Values.model.download.command }}
+    securityContext:
+      runAsNonRoot: true
+      runAsUser: 1000
+      allowPrivilegeEscalation: false
+    volumeMounts:
+      - name: model
+        mountPath: {{ .Values.model.path }}
+{{- end }}
+{{- end -}}
+
+{{- define "folio.env" -}}
+- name: RAY_AUTH_MODE
+  value: disabled
+{{- if .Values.apiKey.enabled }}
+- name: FOLIO_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.apiKey.existingSecret | default (printf "%s-api-key" (include "folio.fullname" .)) }}
+      key: {{ .Values.apiKey.secretKey }}
+{{- end }}
+{{- if and (not .Values.redis.enabled) .Values.redis.passwordSecret.name }}
+- name: FOLIO_REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.redis.passwordSecret.name }}
+      key: {{ .Values.redis.passwordSecret.key }}
+{{- end }}
+{{- end -}}
+
+{{- define "folio.podSecurity" -}}
+securityContext:
+  runAsNonRoot: true
+  runAsUser: 1000
+  fsGroup: 1000
+terminationGracePeriodSeconds: {{ add .Values.serve.gracePeriodSeconds 15 }}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets: {{ toJson . }}
+{{- end }}
+{{- end -}}

@@ -1,0 +1,191 @@
+"""The Helm chart rendered offline (helm-python-sdk) and every object validated: built-in
+kinds with kubernetes-validate --strict, RayService / RayCluster against KubeRay's real
+CRD schemas (../shared/kuberay-crds), values against values.schema.json; the serve
+arguments parsed with `folio serve`'s own parser; the Dockerfile and its build context."""
+
+import fnmatch
+import os
+
+import jsonschema
+import pytest
+import yaml
+
+helm = pytest.importorskip("helm_python")
+kv = pytest.importorskip("kubernetes_validate")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHART = os.path.join(ROOT, "helm", "folio")
+CRDS = os.path.join(ROOT, "..", "shared", "kuberay-crds")
+BUILTIN = ("v1", "apps/v1", "policy/v1")
+
+OVERRIDES = {
+    "default": {},
+    "external-redis": {"redis": {"enabled": False, "url": "redis://redis.infra:6379/0",
+                                 "passwordSecret": {"name": "redis-auth", "key": "password"}}},
+    "four-gpu-workers": {"workers": {"replicas": 2, "gpusPerPod": 2}},
+    "auth-on": {"apiKey": {"enabled": True, "value": "s3cret"}},
+    "auth-existing-secret": {"apiKey": {"enabled": True, "existingSecret": "folio-keys"}},
+    "servicemonitor-pdb": {"serviceMonitor": {"enabled": True}, "podDisruptionBudget": {"enabled": True}},
+    "cpu-only": {"cpuOnly": True, "workers": {"replicas": 1, "gpusPerPod": 2}, "serve": {"dtype": "float32"}},
+    "download-model": {"model": {"source": "download", "download": {"command": ["sh", "-c", "fetch-model"]}}},
+    "hostpath-model": {"model": {"source": "hostPath", "hostPath": {"path": "/mnt/models/llama"}}},
+}
+
+
+@pytest.fixture(scope="module")
+def chart():
+    return helm.Chart.load(CHART)
+
+
+@pytest.fixture(scope="module")
+def crd_schemas():
+    out = {}
+    for kind, name in (("RayService", "ray.io_rayservices.yaml"), ("RayCluster", "ray.io_rayclusters.yaml")):
+        crd = yaml.load(open(os.path.join(CRDS, name)), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        out[kind] = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")["schema"]["openAPIV3Schema"]
+    return out
+
+
+def render(chart, values):
+    chart.validate_schema(values)
+    docs = []
+    for path, text in chart.render(values, name="demo", namespace="ai").items():
+        if path.endswith(".yaml"):
+            docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def serve_config(docs):
+    rs = next(d for d in docs if d["kind"] == "RayService")
+    return rs, yaml.safe_load(rs["spec"]["serveConfigV2"])
+
+
+@pytest.mark.parametrize("case", sorted(OVERRIDES))
+def test_every_rendered_object_validates(chart, crd_schemas, case):
+    docs = render(chart, OVERRIDES[case])
+    kinds = sorted(d["kind"] for d in docs)
+    assert "RayService" in kinds and kinds.count("Service") >= 3
+    for d in docs:
+        if d["apiVersion"] in BUILTIN:
+            kv.validate(d, kv.latest_version(), strict=True)
+        elif d["kind"] == "RayService":
+            jsonschema.validate(d, crd_schemas["RayService"])
+            cluster = {"apiVersion": "ray.io/v1", "kind": "RayCluster", "metadata": {"name": "demo"},
+                       "spec": d["spec"]["rayClusterConfig"]}
+            jsonschema.validate(cluster, crd_schemas["RayCluster"])
+        elif d["kind"] == "ServiceMonitor":  # the Prometheus Operator's CRD is not vendored here
+            assert d["apiVersion"] == "monitoring.coreos.com/v1" and d["spec"]["endpoints"][0]["port"] == "metrics"
+        else:
+            pytest.fail(f"unexpected kind {d['kind']}")
+
+
+def test_serve_arguments_parse_with_the_cli_and_match_the_ports(chart):
+    from folio.deploy.k8s_app import parse_argv
+
+    for case, values in OVERRIDES.items():
+        docs = render(chart, values)
+        rs, cfg = serve_config(docs)
+        app = cfg["applications"][0]
+        assert app["import_path"] == "folio.deploy.k8s_app:build"
+        args = parse_argv(app["args"]["argv"])  # exits (SystemExit) on anything `folio serve` rejects
+        merged = chart.merge_values(values)
+        assert args.num_workers == merged["workers"]["replicas"] * merged["workers"]["gpusPerPod"], case
+        assert args.model == merged["model"]["path"] and args.address == "auto"
+        head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+        ports = {p["name"]: p["containerPort"] for p in head["ports"]}
+        assert (ports["http"], ports["grpc"], ports["metrics"]) == (args.http_port, args.grpc_port,
+                                                                    args.metrics_port)
+        assert cfg["http_options"]["port"] == args.http_port
+        services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+        assert services["demo-folio-grpc"]["spec"]["ports"][0]["port"] == args.grpc_port
+        assert head["livenessProbe"]["grpc"]["port"] == args.grpc_port
+        assert head["readinessProbe"]["httpGet"]["path"] == "/health"
+        if merged["redis"]["enabled"]:
+            assert args.redis_url == "redis://demo-folio-redis:6379/0"
+        else:
+            assert args.redis_url == merged["redis"]["url"]
+
+
+def test_gpu_requests_auth_and_termination(chart):
+    rs, _ = serve_config(render(chart, OVERRIDES["four-gpu-workers"]))
+    group = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    worker = group["template"]["spec"]["containers"][0]
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 2 and group["rayStartParams"]["num-gpus"] == "2"
+    assert group["template"]["spec"]["terminationGracePeriodSeconds"] == 45  # drain 30 s + 15
+    rs, _ = serve_config(render(chart, OVERRIDES["cpu-only"]))
+    worker = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in worker["resources"]["limits"]
+    docs = render(chart, OVERRIDES["auth-on"])
+    secret = next(d for d in docs if d["kind"] == "Secret")
+    rs, _ = serve_config(docs)
+    env = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
+    ref = next(e for e in env if e["name"] == "FOLIO_API_KEY")["valueFrom"]["secretKeyRef"]
+    assert ref["name"] == secret["metadata"]["name"] and ref["key"] in secret["stringData"]
+    assert not any(d["kind"] == "StatefulSet" for d in render(chart, OVERRIDES["external-redis"]))
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"workers": {"replicas": -1}}, "replicas"),
+    ({"workers": {"replicas": 0}}, "replicas"),
+    ({"model": {"source": None}}, "source"),
+    ({"model": {"source": "s3"}}, "source"),
+    ({"model": {"pvc": {"claimName": ""}}}, "claimName"),
+    ({"model": {"source": "hostPath"}}, "path"),
+    ({"redis": {"enabled": False}}, "url"),
+    ({"apiKey": {"enabled": True}}, "apiKey"),
+    ({"serve": {"router": "random"}}, "router"),
+    ({"serve": {"grpcPort": 70000}}, "grpcPort"),
+])
+def test_bad_values_fail_the_schema_with_a_clear_message(chart, values, message):
+    with pytest.raises(helm.HelmValuesError) as e:
+        chart.validate_schema(values)
+    assert message in str(e.value)
+
+
+# ---- the container image ---------------------------------------------------------------------
+def dockerfile_instructions(path):
+    lines, cur = [], ""
+    for raw in open(path):
+        line = raw.rstrip("\n")
+        if not cur and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        cur += line.rstrip("\\").strip() + " "
+        if not line.endswith("\\"):
+            lines.append(cur.strip())
+            cur = ""
+    return [(ln.split(None, 1)[0].upper(), ln.split(None, 1)[1] if " " in ln else "") for ln in lines]
+
+
+def test_dockerfile_parses_and_runs_folio_as_non_root():
+    ins = dockerfile_instructions(os.path.join(ROOT, "deploy", "Dockerfile"))
+    kinds = [k for k, _ in ins]
+    assert set(kinds) <= {"ARG", "FROM", "ENV", "RUN", "WORKDIR", "COPY", "USER", "EXPOSE", "ENTRYPOINT", "CMD"}
+    assert kinds.index("ARG") < kinds.index("FROM")  # the base is a build argument (CUDA or CPU)
+    user = [a for k, a in ins if k == "USER"][-1]
+    assert user not in ("root", "0")
+    assert [a for k, a in ins if k == "ENTRYPOINT"] == ['["folio"]']
+    exposed = " ".join(a for k, a in ins if k == "EXPOSE").split()
+    assert {"8000", "50051", "9090"} <= set(exposed)
+    for k, a in ins:
+        if k == "COPY":
+            for src in a.split()[:-1]:
+                assert os.path.exists(os.path.join(ROOT, src)), src
+
+
+def test_build_context_excludes_tests_venvs_and_results():
+    patterns = [p.strip() for p in open(os.path.join(ROOT, ".dockerignore")) if p.strip() and not p.startswith("#")]
+
+    def ignored(path):
+        for p in patterns:
+            p = p.rstrip("/")
+            if fnmatch.fnmatch(path, p) or fnmatch.fnmatch(path, p + "/*") or path.startswith(p + "/"):
+                return True
+            if p.startswith("**/") and fnmatch.fnmatch(os.path.basename(path), p[3:]):
+                return True
+        return False
+    for path in ("tests/test_engine.py", ".venv/bin/python", ".venv-vllm/bin/python", "benchmarks/results/x.json",
+                 "models/tiny/config.json", ".git/HEAD", "worker/__pycache__/engine.cpython-311.pyc"):
+        assert ignored(path), path
+    for path in ("worker/engine.py", "deploy/serve.py", "deploy/proto/folio/v1/generate.proto", "pyproject.toml",
+                 "setup.py", "README.md", "folio_pkg/__init__.py"):
+        assert not ignored(path), path
