@@ -31,6 +31,15 @@ class Record:
     output_tokens: int = 0
     error: str | None = None  # "429", "503", "INVALID_ARGUMENT", "timeout", ...
     text: str = ""
+    last_token_at: float | None = None
+
+    def tokens_arrived(self, now: float) -> None:
+        """A streamed chunk with tokens arrived `now` seconds after the run's start."""
+        if self.ttft is None:
+            self.ttft = now - self.start
+        else:
+            self.itl.append(now - self.last_token_at)
+        self.last_token_at = now
 
 
 @dataclass
@@ -73,7 +82,6 @@ class HttpTarget:
                 rec.error = str(r.status)
                 await r.read()
                 return
-            last = None
             parts = []
             async for raw in r.content:
                 line = raw.decode().strip()
@@ -87,12 +95,7 @@ class HttpTarget:
                     rec.prompt_tokens = data["usage"]["prompt_tokens"]
                     rec.output_tokens = data["usage"]["completion_tokens"]
                 if data.get("choices") and data["choices"][0].get("text"):
-                    now = time.perf_counter() - t0
-                    if last is None:
-                        rec.ttft = now - rec.start
-                    else:
-                        rec.itl.append(now - last)
-                    last = now
+                    rec.tokens_arrived(time.perf_counter() - t0)
                     parts.append(data["choices"][0]["text"])
             rec.text = "".join(parts)
 
@@ -124,17 +127,11 @@ class GrpcTarget:
 
         req = pb.GenerateRequest(text=prompt, sampling=pb.SamplingParameters(
             max_tokens=max_tokens, temperature=0.0, ignore_eos=self.ignore_eos))
-        last = None
         parts = []
         try:
             async for msg in self.stub.GenerateStream(req, metadata=self.metadata):
                 if any(d.token_ids for d in msg.deltas):
-                    now = time.perf_counter() - t0
-                    if last is None:
-                        rec.ttft = now - rec.start
-                    else:
-                        rec.itl.append(now - last)
-                    last = now
+                    rec.tokens_arrived(time.perf_counter() - t0)
                     parts += [d.text for d in msg.deltas]
                 if msg.finished:
                     rec.prompt_tokens, rec.output_tokens = msg.usage.prompt_tokens, msg.usage.completion_tokens
