@@ -10,7 +10,7 @@ export RAY_AUTH_MODE := disabled
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py deploy/proto/folio/v1/generate.proto
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# pip (not uv/poetry): torch==2.13.0 resolves to the local CPU wheel

@@ -46,9 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_make_tiny(sub)
     _add_generate(sub)
-    from folio.deploy.serve import add_serve_parser
+    from folio.deploy.serve import add_drain_parser, add_serve_parser
 
     add_serve_parser(sub)
+    add_drain_parser(sub)
     from folio.deploy.bench import add_bench_parser
 
     add_bench_parser(sub)
@@ -100,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         from folio.deploy.bench import bench_main
 
         return bench_main(args)
+    if args.command == "drain":
+        from folio.deploy.serve import drain_main
+
+        return drain_main(args)
     if args.command == "serve":
         from folio.deploy.serve import serve
 

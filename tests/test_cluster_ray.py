@@ -226,3 +226,24 @@ def test_killed_worker_fails_or_reroutes_its_requests_and_the_rest_keep_serving(
     assert all(ws == ["w0"] * len(ws) and len(t) == 3 for t, ws in fresh)
     del cluster.workers["w1"]
     assert_idle_and_consistent(cluster)
+
+
+def test_folio_drain_stops_admission_on_a_live_cluster(cluster):
+    """`folio drain` (the chart's preStop hook) joins the running Ray cluster by address."""
+    import subprocess
+    import sys
+
+    from folio.worker.errors import UnavailableError
+
+    address = ray.get_runtime_context().gcs_address
+    r = subprocess.run([sys.executable, "-m", "folio.deploy.cli", "drain", "--address", address, "--namespace",
+                        "ftest", "--redis-url", cluster.redis_url, "--grace-period-s", "2"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "w0 drained, 0 requests aborted" in r.stdout, r.stderr[-2000:]
+
+    async def main():
+        with pytest.raises(UnavailableError, match="draining"):
+            await run(cluster.router, GenerateRequest("late", [1, 2, 3], SamplingParams(max_tokens=2)),
+                      worker_id="w0")
+    asyncio.run(main())
+

@@ -100,6 +100,15 @@ def test_serve_arguments_parse_with_the_cli_and_match_the_ports(chart):
         assert services["demo-folio-grpc"]["spec"]["ports"][0]["port"] == args.grpc_port
         assert head["livenessProbe"]["grpc"]["port"] == args.grpc_port
         assert head["readinessProbe"]["httpGet"]["path"] == "/health"
+        from folio.deploy.cli import build_parser
+
+        stop = head["lifecycle"]["preStop"]["exec"]["command"]
+        assert stop[:2] == ["folio", "drain"]
+        drain = build_parser().parse_args(stop[1:])  # the hook's arguments are the CLI's
+        assert (drain.namespace, drain.redis_url) == (args.namespace, args.redis_url)
+        assert drain.grace_period_s == args.grace_period_s
+        pod = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] >= args.grace_period_s + 10
         if merged["redis"]["enabled"]:
             assert args.redis_url == "redis://demo-folio-redis:6379/0"
         else:
