@@ -61,10 +61,15 @@ class Router:
         now = time.monotonic()
         if refresh or not self._loads_at:
             await self._refresh()
-        elif now - self._loads_at > self.refresh_s and (self._refreshing is None or self._refreshing.done()):
+        elif now - self._loads_at > self.refresh_s and not self._refresh_in_flight():
             self._refreshing = asyncio.get_running_loop().create_task(self._refresh())
         return {w: l for w, l in self._loads.items()
                 if not l.draining and now - self._dead.get(w, -1e9) > DEAD_HOLD_S}
+
+    def _refresh_in_flight(self) -> bool:
+        # a task of another (finished) event loop never completes: it does not count
+        t = self._refreshing
+        return t is not None and not t.done() and t.get_loop() is asyncio.get_running_loop()
 
     async def _refresh(self) -> None:
         try:
@@ -151,6 +156,8 @@ class Router:
                             return
                     else:
                         raise WorkerFailedError(f"the stream of {req.request_id} from {wid} ended unfinished")
+                except WorkerFailedError:
+                    raise
                 except WorkerDiedError as e:
                     self.mark_dead(e.worker_id)
                     tried.add(e.worker_id)
