@@ -37,13 +37,34 @@ def chart():
     return helm.Chart.load(CHART)
 
 
-@pytest.fixture(scope="module")
-def crd_schemas():
+VENDORED = os.path.join(ROOT, "tests", "data", "kuberay_v1_schemas.json.gz")
+
+
+def shared_crd_schemas() -> dict | None:
+    """The v1 openAPIV3Schema of each CRD in ../shared/kuberay-crds, when that folder is there."""
+    if not os.path.isdir(CRDS):
+        return None
     out = {}
     for kind, name in (("RayService", "ray.io_rayservices.yaml"), ("RayCluster", "ray.io_rayclusters.yaml")):
         crd = yaml.load(open(os.path.join(CRDS, name)), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
         out[kind] = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")["schema"]["openAPIV3Schema"]
     return out
+
+
+@pytest.fixture(scope="module")
+def crd_schemas():
+    """KubeRay's real schemas: from ../shared/kuberay-crds when the checkout has it, else the copy
+    of the same schemas in tests/data (a clean clone elsewhere has no ../shared)."""
+    import gzip
+    import json
+
+    with gzip.open(VENDORED, "rt") as f:
+        vendored = json.load(f)["schemas"]
+    shared = shared_crd_schemas()
+    if shared is not None:
+        assert shared == vendored, "tests/data/kuberay_v1_schemas.json.gz drifted from ../shared/kuberay-crds"
+        return shared
+    return vendored
 
 
 def render(chart, values):

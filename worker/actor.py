@@ -36,7 +36,7 @@ ATTACH_TIMEOUT_S = 10.0  # how long attach() waits for a migrated request to be 
 
 class LoadPublisher(Protocol):
     def publish(self, load: WorkerLoad, cached_block_hashes: set[bytes]) -> None:
-        """Called from the publisher thread; may block or raise (the worker logs and carries on)."""
+        """Called from the publisher thread; may block or raise (the next heartbeat tries again)."""
 
     def close(self) -> None: ...
 
