@@ -1,0 +1,111 @@
+"""What the serving path adds to a request: `folio serve` (one worker) against the engine
+alone, one request at a time, 16-token prompt, 1 output token (so the time is almost all
+path, not model).
+
+    python benchmarks/frontend_overhead.py --model models/tiny-llama-8l [--requests 50]
+
+Engine alone: LLMEngine.add_request + step() in this process. Through the server: the
+HTTP API (non-streaming /v1/completions with the `openai` client) and gRPC (Generate),
+each through Serve's proxy / the replica, the router and a Ray actor call to the worker.
+DESIGN's target: router + frontend add < 5 ms p50. Results: benchmarks/results/frontend_overhead.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(int(q / 100 * len(xs)), len(xs) - 1)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--requests", type=int, default=50)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "frontend_overhead.json"))
+    args = ap.parse_args()
+    prompt = list(range(100, 116))
+
+    from folio.worker import LLM, SamplingParams
+
+    llm = LLM(args.model, block_size=16, num_kv_blocks=256, max_model_len=1024, enable_prefix_caching=False)
+    eng = llm.engine
+    engine_ms = []
+    for i in range(args.requests + 5):
+        t0 = time.perf_counter()
+        eng.add_request(f"e{i}", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        while eng.has_unfinished_requests():
+            eng.step()
+        if i >= 5:
+            engine_ms.append(1e3 * (time.perf_counter() - t0))
+    del llm, eng
+
+    http, grpc_port = free_port(), free_port()
+    server = subprocess.Popen([sys.executable, "-m", "folio.deploy.cli", "serve", "--model", args.model,
+                               "--num-workers", "1", "--host", "127.0.0.1", "--http-port", str(http), "--grpc-port",
+                               str(grpc_port), "--block-size", "16", "--num-kv-blocks", "256", "--max-model-len",
+                               "1024", "--router", "least-loaded", "--namespace", "overhead"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=dict(os.environ, RAY_AUTH_MODE="disabled"))
+    try:
+        for line in server.stdout:
+            if "folio serve: ready" in line:
+                break
+        import grpc
+        import openai
+
+        from folio.v1 import generate_pb2 as pb
+        from folio.v1 import generate_pb2_grpc as pbg
+
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="x", max_retries=0)
+        stub = pbg.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{grpc_port}"))
+        http_ms, grpc_ms = [], []
+        for i in range(args.requests + 5):  # alternated, after 5 warm-ups each
+            t0 = time.perf_counter()
+            client.completions.create(model="m", prompt=prompt, max_tokens=1, temperature=0,
+                                      extra_body={"ignore_eos": True})
+            t1 = time.perf_counter()
+            req = pb.GenerateRequest(sampling=pb.SamplingParameters(max_tokens=1, temperature=0, ignore_eos=True))
+            req.token_ids.ids.extend(prompt)
+            stub.Generate(req)
+            t2 = time.perf_counter()
+            if i >= 5:
+                http_ms.append(1e3 * (t1 - t0))
+                grpc_ms.append(1e3 * (t2 - t1))
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+    def stats(xs):
+        return {"p50": round(pct(xs, 50), 2), "p99": round(pct(xs, 99), 2), "mean": round(statistics.fmean(xs), 2)}
+    e50 = pct(engine_ms, 50)
+    doc = {"benchmark": "frontend_overhead", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+           "command": " ".join(["python"] + sys.argv), "requests": args.requests,
+           "engine_alone_ms": stats(engine_ms), "http_ms": stats(http_ms), "grpc_ms": stats(grpc_ms),
+           "added_p50_ms": {"http": round(pct(http_ms, 50) - e50, 2), "grpc": round(pct(grpc_ms, 50) - e50, 2)}}
+    print(json.dumps(doc, indent=2))
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
