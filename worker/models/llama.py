@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from folio import kernels
+from folio.kernels.linear import Linear
 from folio.worker.models.config import ModelConfig
 from folio.worker.models.rope import RotaryEmbedding
 
@@ -27,15 +28,11 @@ class AttentionMetadata:
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv_w: torch.Tensor
-    qkv_b: torch.Tensor | None
-    o_w: torch.Tensor
-    o_b: torch.Tensor | None
+    qkv: Linear
+    o: Linear
     post_norm: torch.Tensor
-    gate_up_w: torch.Tensor
-    gate_up_b: torch.Tensor | None
-    down_w: torch.Tensor
-    down_b: torch.Tensor | None
+    gate_up: Linear
+    down: Linear
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -48,7 +45,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
-                 norm: torch.Tensor, lm_head: torch.Tensor, max_len: int, ops: kernels.KernelOps) -> None:
+                 norm: torch.Tensor, lm_head: Linear, max_len: int, ops: kernels.KernelOps) -> None:
         self.config = config
         self.ops = ops  # write_kv / paged_attention implementations (kernels.get_ops)
         self.embed = embed
@@ -71,7 +68,7 @@ class LlamaModel:
         T = h.shape[0]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = rms_norm(h, layer.input_norm, eps)
-            qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
+            qkv = layer.qkv(x)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(T, c.num_heads, c.head_dim)
             k = k.view(T, c.num_kv_heads, c.head_dim)
@@ -80,12 +77,12 @@ class LlamaModel:
             self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = self.ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                            meta.query_start_loc, self.scale, plan=meta.plan)
-            h = h + F.linear(attn.reshape(T, self.q_size), layer.o_w, layer.o_b)
+            h = h + layer.o(attn.reshape(T, self.q_size))
             x = rms_norm(h, layer.post_norm, eps)
-            gate, up = F.linear(x, layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down_w, layer.down_b)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
         return rms_norm(h, self.norm, eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head)
+        return self.lm_head(hidden)

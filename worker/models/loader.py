@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from folio.kernels import get_ops
+from folio.kernels.linear import Linear, backend_name
 from folio.worker.errors import ModelLoadError
 from folio.worker.models.config import ModelConfig
 from folio.worker.models.llama import LayerWeights, LlamaModel
@@ -65,6 +66,11 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int
     def cat(*ts: torch.Tensor | None) -> torch.Tensor | None:
         return None if ts[0] is None else torch.cat(ts, dim=0).contiguous()
 
+    backend = backend_name(device, dtype)
+
+    def linear(w: torch.Tensor, b: torch.Tensor | None) -> Linear:
+        return Linear(w, b, backend)
+
     c = config
     H, D, I = c.hidden_size, c.head_dim, c.intermediate_size
     q_out, kv_out = c.num_heads * D, c.num_kv_heads * D
@@ -75,21 +81,17 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int
         a, m = p + "self_attn.", p + "mlp."
         layers.append(LayerWeights(
             input_norm=take(p + "input_layernorm.weight", (H,)),
-            qkv_w=cat(take(a + "q_proj.weight", (q_out, H)), take(a + "k_proj.weight", (kv_out, H)),
-                      take(a + "v_proj.weight", (kv_out, H))),
-            qkv_b=cat(take(a + "q_proj.bias", (q_out,)), take(a + "k_proj.bias", (kv_out,)),
-                      take(a + "v_proj.bias", (kv_out,))) if c.qkv_bias else None,
-            o_w=take(a + "o_proj.weight", (H, q_out)),
-            o_b=take(a + "o_proj.bias", (H,)) if c.o_bias else None,
+            qkv=linear(cat(take(a + "q_proj.weight", (q_out, H)), take(a + "k_proj.weight", (kv_out, H)),
+                           take(a + "v_proj.weight", (kv_out, H))),
+                       cat(take(a + "q_proj.bias", (q_out,)), take(a + "k_proj.bias", (kv_out,)),
+                           take(a + "v_proj.bias", (kv_out,))) if c.qkv_bias else None),
+            o=linear(take(a + "o_proj.weight", (H, q_out)), take(a + "o_proj.bias", (H,)) if c.o_bias else None),
             post_norm=take(p + "post_attention_layernorm.weight", (H,)),
-            gate_up_w=cat(take(m + "gate_proj.weight", (I, H)), take(m + "up_proj.weight", (I, H))),
-            gate_up_b=cat(take(m + "gate_proj.bias", (I,)), take(m + "up_proj.bias", (I,))) if c.mlp_bias else None,
-            down_w=take(m + "down_proj.weight", (H, I)),
-            down_b=take(m + "down_proj.bias", (H,)) if c.mlp_bias else None,
+            gate_up=linear(cat(take(m + "gate_proj.weight", (I, H)), take(m + "up_proj.weight", (I, H))),
+                           cat(take(m + "gate_proj.bias", (I,)), take(m + "up_proj.bias", (I,))) if c.mlp_bias
+                           else None),
+            down=linear(take(m + "down_proj.weight", (H, I)), take(m + "down_proj.bias", (H,)) if c.mlp_bias else None),
         ))
     norm = take("model.norm.weight", (H,))
-    if c.tie_word_embeddings:
-        lm_head = embed
-    else:
-        lm_head = take("lm_head.weight", (c.vocab_size, H))
+    lm_head = linear(embed if c.tie_word_embeddings else take("lm_head.weight", (c.vocab_size, H)), None)
     return LlamaModel(c, embed, layers, norm, lm_head, max_len, get_ops(device))
