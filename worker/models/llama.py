@@ -66,14 +66,15 @@ class LlamaModel:
         eps = c.rms_norm_eps
         h = F.embedding(input_ids, self.embed)
         T = h.shape[0]
+        cos, sin = self.rope.cos_sin(positions)
+        qk_size = self.q_size + self.kv_size
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = rms_norm(h, layer.input_norm, eps)
             qkv = layer.qkv(x)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(T, c.num_heads, c.head_dim)
-            k = k.view(T, c.num_kv_heads, c.head_dim)
-            v = v.view(T, c.num_kv_heads, c.head_dim)
-            q, k = self.rope.apply(positions, q, k)
+            # q and k rotate together: [T, heads + kv_heads, head_dim] views of the fused output
+            qk = self.rope.rotate(qkv[:, :qk_size].view(T, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
+            q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
+            v = qkv[:, qk_size:].view(T, c.num_kv_heads, c.head_dim)
             self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = self.ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                            meta.query_start_loc, self.scale, plan=meta.plan)

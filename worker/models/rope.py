@@ -91,9 +91,16 @@ class RotaryEmbedding:
 
     def apply(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, D], k [T, KVH, D] -> rotated (rotate-half layout, as in Llama checkpoints)."""
-        cos = self.cos.index_select(0, positions)[:, None, :]
-        sin = self.sin.index_select(0, positions)[:, None, :]
-        return _rotate(q, cos, sin, self.rot_dim), _rotate(k, cos, sin, self.rot_dim)
+        cos, sin = self.cos_sin(positions)
+        return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, 1, rot_dim] each: looked up once per forward, shared by every layer."""
+        return self.cos.index_select(0, positions)[:, None, :], self.sin.index_select(0, positions)[:, None, :]
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D]: any heads, so q and k (adjacent in the fused qkv output) rotate in one pass."""
+        return _rotate(x, cos, sin, self.rot_dim)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_dim: int) -> torch.Tensor:
