@@ -16,6 +16,8 @@ from typing import AsyncIterator, Protocol
 from folio.worker.errors import FolioError, UnavailableError
 from folio.worker.messages import GenerateRequest, StreamChunk
 
+STREAM_BACKPRESSURE = 2  # chunks a worker may have in flight to one reader before its stream pauses
+
 
 class WorkerDiedError(UnavailableError):
     def __init__(self, worker_id: str, detail: str = "") -> None:
@@ -58,7 +60,10 @@ class RayWorkerClient:
     async def _stream(self, wid: str, method: str, arg) -> AsyncIterator[StreamChunk]:
         import ray
 
-        gen = getattr(self.handle(wid), method).options(num_returns="streaming").remote(arg)
+        # backpressure: the worker's stream pauses while 2 chunks wait unread here, so steps that
+        # finish meanwhile queue on the worker and travel merged as one chunk (actor.py)
+        gen = getattr(self.handle(wid), method).options(
+            num_returns="streaming", _generator_backpressure_num_objects=STREAM_BACKPRESSURE).remote(arg)
         finished = False
         try:
             async for ref in gen:

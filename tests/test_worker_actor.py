@@ -89,6 +89,51 @@ def test_worker_streams_the_offline_engines_tokens_and_rejects_bad_input(model, 
     asyncio.run(main())
 
 
+def test_a_slow_reader_gets_the_steps_it_missed_merged_into_one_chunk(model, offline, tokenizer):
+    w = make_worker(model, "w0")
+    prompt = PROMPTS[0]
+    n = 2  # two completions: the merge is per completion index
+    params = SamplingParams(max_tokens=24, temperature=0.8, seed=7, n=n, ignore_eos=True, logprobs=1)
+
+    async def read(slow: bool):
+        chunks = []
+        async for chunk in w.generate(GenerateRequest(f"r{slow}", tokenizer(prompt).input_ids, params)):
+            chunks.append(chunk)
+            if slow:
+                await asyncio.sleep(0.15)  # several engine steps run meanwhile
+        return chunks
+
+    async def main():
+        fast, slow = await read(False), await read(True)
+        assert len(slow) < len(fast), "the slow reader should have received merged chunks"
+        for chunks in (fast, slow):
+            assert chunks[-1].finished and all(not c.finished for c in chunks[:-1])
+        for i in range(n):
+            def per(chunks, i=i):
+                ds = [d for c in chunks for d in c.deltas if d.index == i]
+                return ([t for d in ds for t in d.token_ids], "".join(d.text for d in ds),
+                        [lp for d in ds for lp in d.logprobs], [d.num_tokens for d in ds], ds[-1].finish_reason)
+            f, s_ = per(fast), per(slow)
+            assert f[0] == s_[0] and len(f[0]) == 24 and f[1] == s_[1] and f[2] == s_[2] and f[4] == s_[4] == "length"
+            # counts stay continuous: each chunk's num_tokens = previous + its tokens
+            assert s_[3] == sorted(set(s_[3])) and s_[3][-1] == 24
+        st = await w.stats()
+        assert st["num_streams"] == 0 and st["num_free_blocks"] == st["num_kv_blocks"]
+
+    asyncio.run(main())
+
+
+def test_merge_chunks_unit():
+    from folio.worker.messages import CompletionDelta, StreamChunk, merge_chunks
+
+    a = StreamChunk("r", "w0", [CompletionDelta(0, [1], "a", 1), CompletionDelta(1, [7], "x", 1)], queue_s=0.5)
+    b = StreamChunk("r", "w0", [CompletionDelta(0, [2, 3], "bc", 3, "length")], finished=True, num_preemptions=1)
+    m = merge_chunks(a, b)
+    assert [(d.index, d.token_ids, d.text, d.num_tokens, d.finish_reason, d.logprobs) for d in m.deltas] == [
+        (0, [1, 2, 3], "abc", 3, "length", None), (1, [7], "x", 1, None, None)]
+    assert m.finished and m.queue_s == 0.5 and m.num_preemptions == 1 and m.migrated_to is None
+
+
 def test_closing_a_stream_aborts_the_request_and_frees_its_blocks(model):
     w = make_worker(model, "w0")
 
@@ -174,3 +219,37 @@ def test_coordinator_resumes_swapped_requests_on_the_idle_worker(model, tokenize
         sa, sb = asyncio.run(a.stats()), asyncio.run(b.stats())
         assert sa["preemptions_by_mode"]["swap"] >= 1 and sb["num_migrations_in"] >= 1
         assert any(c.worker_id == "b" for _, chunks in results for c in chunks)
+
+
+_OMP_CHECK = """
+import asyncio, ctypes, functools, os, sys
+import torch
+torch.set_num_threads(2)
+from folio.worker import EngineConfig, LLMEngine
+from folio.worker.actor import EngineWorker
+omp = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1"))
+cfg = EngineConfig(model=sys.argv[1], block_size=8, num_kv_blocks=16, max_model_len=64)
+w = EngineWorker("w", functools.partial(LLMEngine, cfg), None)
+print("step thread omp threads", asyncio.run(w._call(lambda e: omp.omp_get_max_threads())))
+w.shutdown()
+"""
+
+
+def test_step_thread_uses_the_engines_torch_threads(model, tmp_path):
+    # Ray starts actors with OMP_NUM_THREADS=<num_cpus> (1 for a fractional CPU) and OpenMP
+    # gives every new OS thread that count, whatever torch.set_num_threads said before
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1")
+    if not os.path.exists(lib):
+        pytest.skip("torch is not built with GNU OpenMP here")
+    script = tmp_path / "omp_check.py"
+    script.write_text(_OMP_CHECK)
+    out = subprocess.run([sys.executable, str(script), model], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "step thread omp threads 2" in out.stdout, out.stdout

@@ -29,7 +29,8 @@ import traceback
 from typing import Any, AsyncIterator, Callable, Protocol
 
 from folio.worker.errors import InvalidRequestError, UnavailableError, WorkerFailedError
-from folio.worker.messages import CompletionDelta, GenerateRequest, RequestSummary, StreamChunk, WorkerLoad
+from folio.worker.messages import (CompletionDelta, GenerateRequest, RequestSummary, StreamChunk, WorkerLoad,
+                                   merge_chunks)
 
 ATTACH_TIMEOUT_S = 10.0  # how long attach() waits for a migrated request to be imported
 
@@ -113,12 +114,21 @@ class EngineWorker:
     async def _drain_stream(self, rid: str) -> AsyncIterator[StreamChunk]:
         q = self._streams[rid]
         done = False
+        pending = None
         try:
             while True:
-                chunk = await q.get()
+                chunk, pending = (pending if pending is not None else await q.get()), None
                 if isinstance(chunk, BaseException):
                     done = True
                     raise chunk
+                # steps that ran while the reader was busy go out as one chunk: under load the
+                # per-chunk cost of every hop (Ray, frontend, SSE) is paid once, not per step
+                while not (chunk.finished or chunk.migrated_to is not None) and not q.empty():
+                    nxt = q.get_nowait()
+                    if isinstance(nxt, BaseException):
+                        pending = nxt
+                        break
+                    chunk = merge_chunks(chunk, nxt)
                 done = chunk.finished or chunk.migrated_to is not None
                 yield chunk
                 if done:
@@ -266,6 +276,12 @@ class EngineWorker:
 
     # ---- the step loop ------------------------------------------------------------------
     def _step_loop(self) -> None:
+        # OpenMP's thread count is per OS thread, and a new thread starts from OMP_NUM_THREADS,
+        # which Ray sets to the actor's num_cpus (1 for a fractional CPU): without this the
+        # forward ran on one core, at half speed, while torch.get_num_threads() said 2.
+        import torch
+
+        torch.set_num_threads(torch.get_num_threads())
         engine = self.engine
         next_beat = 0.0
         while not self._stop:

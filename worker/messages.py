@@ -41,6 +41,22 @@ class StreamChunk:
     queue_s: float | None = None  # arrival to first scheduled, on the request's first chunk with tokens
 
 
+def merge_chunks(a: StreamChunk, b: StreamChunk) -> StreamChunk:
+    """`b` follows `a` on one stream: a single chunk carrying both (tokens and text
+    appended per completion, counts and finish state from `b`)."""
+    deltas = {d.index: d for d in a.deltas}
+    for d in b.deltas:
+        p = deltas.get(d.index)
+        if p is None:
+            deltas[d.index] = d
+            continue
+        logprobs = None if p.logprobs is None and d.logprobs is None else (p.logprobs or []) + (d.logprobs or [])
+        deltas[d.index] = CompletionDelta(d.index, p.token_ids + d.token_ids, p.text + d.text, d.num_tokens,
+                                          d.finish_reason, logprobs)
+    return StreamChunk(b.request_id, b.worker_id, list(deltas.values()), b.finished, b.migrated_to,
+                       b.num_preemptions, a.queue_s if a.queue_s is not None else b.queue_s)
+
+
 @dataclass
 class RequestSummary:
     """What the coordinator needs to know of one request on a worker."""
