@@ -4,8 +4,9 @@
 - inprocess: `EngineWorker` in this process, its streams read directly;
 - ray: `EngineWorker` as a Ray actor (as `folio serve` runs it), streams read through
   `RayWorkerClient` (one Ray streaming call per request, one object per chunk);
-- serve: `folio serve --num-workers 1`, streams read over HTTP by `folio bench`
-  (adds the Serve replica and Serve's HTTP proxy: two more processes per token).
+- serve-grpc: `folio serve --num-workers 1`, streams read over gRPC by `folio bench`
+  (adds the Serve replica, where the gRPC server runs: one more process per token);
+- serve: the same over HTTP (adds the replica and Serve's HTTP proxy: two more).
 
     python benchmarks/serving_path_cost.py --model models/tiny-llama-8l
 
@@ -108,14 +109,18 @@ def run_ray(model) -> dict:
         ray.shutdown()
 
 
-def run_serve(model) -> dict:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def run_serve(model, grpc: bool = False) -> dict:
+    port, grpc_port = free_port(), free_port()
     env = dict(os.environ, RAY_AUTH_MODE="disabled", HF_HUB_OFFLINE="1")
     log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
     srv = subprocess.Popen([sys.executable, "-m", "folio.deploy.cli", "serve", "--model", model, "--num-workers", "1",
-                            "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", "0", "--block-size", "16",
+                            "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", str(grpc_port), "--block-size", "16",
                             "--num-kv-blocks", "256", "--max-model-len", "1024", "--max-num-requests", "1024",
                             "--namespace", f"cost{os.getpid()}", "--grace-period-s", "1"],
                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -127,7 +132,8 @@ def run_serve(model) -> dict:
             except OSError:
                 time.sleep(1)
         out = os.path.join(tempfile.mkdtemp(), "bench.json")
-        bench = [sys.executable, "-m", "folio.deploy.cli", "bench", "--target", f"http://127.0.0.1:{port}",
+        target = f"grpc://127.0.0.1:{grpc_port}" if grpc else f"http://127.0.0.1:{port}"
+        bench = [sys.executable, "-m", "folio.deploy.cli", "bench", "--target", target,
                  "--workload", "random", "--input-len", f"fixed:{PROMPT}", "--output-len", f"fixed:{OUTPUT}",
                  "--max-concurrency", str(STREAMS), "--quiet", "--out", out]
         subprocess.run(bench + ["--num-requests", "4"], env=env, check=True, capture_output=True)  # warm-up
@@ -143,12 +149,13 @@ def run_serve(model) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
-    ap.add_argument("--modes", default="inprocess,ray,serve")
+    ap.add_argument("--modes", default="inprocess,ray,serve-grpc,serve")
     ap.add_argument("--role", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "serving_path_cost.json"))
     args = ap.parse_args()
     if args.role:  # one mode, in a fresh process
-        fn = {"inprocess": run_inprocess, "ray": run_ray, "serve": run_serve}[args.role]
+        fn = {"inprocess": run_inprocess, "ray": run_ray, "serve": run_serve,
+              "serve-grpc": functools.partial(run_serve, grpc=True)}[args.role]
         print("RESULT " + json.dumps(fn(args.model)))
         return 0
     doc = {"benchmark": "serving_path_cost", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
