@@ -1,6 +1,7 @@
 """How the router and coordinator reach workers: through Ray, or in-process (simulation).
 
-    WorkerClient.generate(wid, req)   async iterator of StreamChunk
+    WorkerClient.generate(wid, req)   async iterator of StreamChunk (through Ray: `submit`,
+                                      chunks back on one `subscribe` stream per worker)
     WorkerClient.attach(wid, rid)     async iterator of StreamChunk (after a migration)
     WorkerClient.abort(wid, rid)      -> bool
     WorkerClient.move(src, dst, rid, preempt)   export on src, import on dst
@@ -209,6 +210,8 @@ class _Subscription:
             err = _unwrap(e)
         except WorkerDiedError as e:
             err = e
+        except Exception as e:  # anything else: the requests waiting here fail rather than hang
+            err = UnavailableError(f"the stream from worker {self.wid} broke: {type(e).__name__}: {e}")
         for q in list(self.queues.values()):
             q.put_nowait(err)
 
