@@ -107,8 +107,9 @@ class Frontend:
         t0 = time.perf_counter()
         last = None
         reason = None
+        stream = self.router.generate(GenerateRequest(rid, prompt_ids, params, priority))
         try:
-            async for chunk in self.router.generate(GenerateRequest(rid, prompt_ids, params, priority)):
+            async for chunk in stream:
                 if any(d.token_ids for d in chunk.deltas):
                     now = time.perf_counter()
                     if last is None:
@@ -122,6 +123,9 @@ class Frontend:
                     reason = next((d.finish_reason for d in chunk.deltas if d.finish_reason), "stop")
                 yield chunk
         finally:
+            # closed here, not left to the garbage collector: closing it is what aborts the
+            # request on its worker when the client went away (a CI run saw it run to the end)
+            await stream.aclose()
             self.in_flight -= 1
             m.requests.labels(finish_reason=reason or "abort").inc()
             m.e2e.observe(time.perf_counter() - t0)
