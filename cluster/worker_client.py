@@ -1,7 +1,6 @@
 """How the router and coordinator reach workers: through Ray, or in-process (simulation).
 
-    WorkerClient.generate(wid, req)   async iterator of StreamChunk (through Ray: `submit`,
-                                      chunks back on one `subscribe` stream per worker)
+    WorkerClient.generate(wid, req)   async iterator of StreamChunk
     WorkerClient.attach(wid, rid)     async iterator of StreamChunk (after a migration)
     WorkerClient.abort(wid, rid)      -> bool
     WorkerClient.move(src, dst, rid, preempt)   export on src, import on dst
@@ -12,9 +11,6 @@ worker as WorkerDiedError (an UnavailableError).
 
 from __future__ import annotations
 
-import asyncio
-import uuid
-import weakref
 from typing import AsyncIterator, Protocol
 
 from folio.worker.errors import FolioError, UnavailableError
@@ -48,7 +44,6 @@ class RayWorkerClient:
         self.namespace = namespace
         self.ray_namespace = ray_namespace
         self._handles: dict = {}
-        self._muxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> {wid: _Subscription}
 
     def handle(self, wid: str):
         import ray
@@ -94,54 +89,8 @@ class RayWorkerClient:
                 except Exception:
                     pass
 
-    async def generate(self, wid: str, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
-        """The request runs on `wid` and its chunks come back on this client's one
-        subscription to that worker (per event loop): one Ray message per worker step for
-        all of this frontend's requests there, not one per request."""
-        mux = self._mux(wid)
-        rid = req.request_id
-        q: asyncio.Queue = asyncio.Queue()
-        mux.queues[rid] = q
-        try:
-            mux.start()
-            await self._call(wid, "submit", req, mux.subscriber)
-        except FolioError:  # refused, nothing admitted: nothing to abort (the id may be another request's)
-            mux.queues.pop(rid, None)
-            raise
-        except BaseException:  # cancelled while submitting: it may have been admitted
-            mux.queues.pop(rid, None)
-            self._abort_soon(wid, rid)
-            raise
-        finished = False
-        try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished or item.migrated_to is not None
-                yield item
-                if finished:
-                    return
-        finally:
-            mux.queues.pop(rid, None)
-            if not finished:  # the caller went away: free the request's blocks
-                self._abort_soon(wid, rid)
-
-    def _abort_soon(self, wid: str, rid: str) -> None:
-        """Fire-and-forget abort (from a finally: nothing to await there)."""
-        try:
-            self.handle(wid).abort.remote(rid)
-        except Exception:
-            pass
-
-    def _mux(self, wid: str) -> "_Subscription":
-        loop = asyncio.get_running_loop()
-        per_loop = self._muxes.setdefault(loop, {})
-        mux = per_loop.get(wid)
-        if mux is None:
-            mux = per_loop[wid] = _Subscription(self, wid)
-        return mux
+    def generate(self, wid: str, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        return self._stream(wid, "generate", req)
 
     def attach(self, wid: str, request_id: str) -> AsyncIterator[StreamChunk]:
         return self._stream(wid, "attach", request_id)
@@ -173,47 +122,6 @@ class RayWorkerClient:
 
     async def _call_ref(self, wid: str, method: str, *args):
         return await self._call(wid, method, *args)
-
-
-class _Subscription:
-    """One long-lived `subscribe` stream from a worker, read by a task that hands each
-    (request id, chunk) of every batch to that request's queue. If the stream breaks
-    (the worker died), every request waiting on it gets WorkerDiedError; the next
-    generate() opens a new one."""
-
-    def __init__(self, client: RayWorkerClient, wid: str) -> None:
-        self.client, self.wid = client, wid
-        self.subscriber = f"sub-{uuid.uuid4().hex[:12]}"
-        self.queues: dict[str, asyncio.Queue] = {}
-        self.task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        if self.task is None or self.task.done():
-            self.task = asyncio.get_running_loop().create_task(self._read())
-
-    async def _read(self) -> None:
-        import ray
-
-        err: Exception
-        try:
-            gen = self.client.handle(self.wid).subscribe.options(num_returns="streaming").remote(self.subscriber)
-            async for ref in gen:
-                for rid, item in await ref:
-                    q = self.queues.get(rid)
-                    if q is not None:
-                        q.put_nowait(item)
-            err = WorkerDiedError(self.wid, "its stream ended")
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-            self.client._handles.pop(self.wid, None)
-            err = WorkerDiedError(self.wid, type(e).__name__)
-        except ray.exceptions.RayTaskError as e:
-            err = _unwrap(e)
-        except WorkerDiedError as e:
-            err = e
-        except Exception as e:  # anything else: the requests waiting here fail rather than hang
-            err = UnavailableError(f"the stream from worker {self.wid} broke: {type(e).__name__}: {e}")
-        for q in list(self.queues.values()):
-            q.put_nowait(err)
 
 
 class LocalWorkerClient:

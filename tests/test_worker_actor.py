@@ -123,45 +123,6 @@ def test_a_slow_reader_gets_the_steps_it_missed_merged_into_one_chunk(model, off
     asyncio.run(main())
 
 
-def test_subscription_batches_a_frontends_requests_and_closing_it_aborts_them(model, offline, tokenizer):
-    w = make_worker(model, "w0")
-
-    async def main():
-        reqs = [GenerateRequest(f"r{i}", tokenizer(p).input_ids, SamplingParams(**GREEDY)) for i, p in enumerate(PROMPTS)]
-        sub = w.subscribe("fe-1")
-        for r in reqs:
-            await w.submit(r, "fe-1")
-        with pytest.raises(InvalidRequestError):  # a duplicate id is refused and the first one keeps running
-            await w.submit(reqs[0], "fe-1")
-        tokens, done, sizes = {}, set(), []
-        while len(done) < len(reqs):
-            batch = await sub.__anext__()
-            sizes.append(len({rid for rid, _ in batch}))
-            for rid, chunk in batch:
-                tokens.setdefault(rid, []).extend(t for d in chunk.deltas for t in d.token_ids)
-                if chunk.finished:
-                    done.add(rid)
-        for r, p in zip(reqs, PROMPTS):
-            assert tokens[r.request_id] == offline[p]
-        assert max(sizes) > 1, "a step's outputs for several requests should share a batch"
-        # requests still running when the subscription closes are aborted: blocks come back
-        gen0 = await w._call(lambda e: e.num_generated_tokens)
-        await w.submit(GenerateRequest("long", tokenizer(PROMPTS[0]).input_ids,
-                                       SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)), "fe-1")
-        await sub.__anext__()
-        await sub.aclose()
-        for _ in range(200):
-            st = await w.stats()
-            if st["num_streams"] == 0 and st["num_free_blocks"] == st["num_kv_blocks"]:
-                break
-            await asyncio.sleep(0.01)
-        assert st["num_streams"] == 0 and st["num_free_blocks"] == st["num_kv_blocks"]
-        assert await w._call(lambda e: e.num_generated_tokens) - gen0 < 150, "the request ran on after the close"
-        await w.check_invariants()
-
-    asyncio.run(main())
-
-
 def test_merge_chunks_unit():
     from folio.worker.messages import CompletionDelta, StreamChunk, merge_chunks
 

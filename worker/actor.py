@@ -3,7 +3,6 @@
     cluster (router, coordinator)           EngineWorker (a Ray actor, num_gpus=1)
     ------------------------------          ----------------------------------------------
     generate(req)  -- async generator -->   event loop: asyncio queues, one per request
-    submit(req, sub) + subscribe(sub)       (or: a frontend's requests batched on one stream)
     attach(id)     -- after a migration     ^ call_soon_threadsafe(chunk)
     abort / export / import / preempt --->  commands ---> step thread: engine.step() loop
     (Redis)  <-- heartbeat every ~100 ms --- publisher thread (latest load wins)
@@ -64,8 +63,6 @@ class EngineWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, asyncio.Queue] = {}  # request id -> its chunks (event-loop side)
         self._sent: dict[str, dict[int, int]] = {}  # request id -> {completion: tokens streamed}
-        self._subscribers: dict[str, asyncio.Queue] = {}  # subscriber -> (request id, chunk) pairs
-        self._forwards: dict[str, tuple[str, asyncio.Task]] = {}  # request id -> (subscriber, forwarding task)
         self.num_migrations_in = 0
         self.num_migrations_out = 0
         self.num_prompt_tokens = 0
@@ -85,55 +82,6 @@ class EngineWorker:
         """Run a request and yield its chunks until it finishes or migrates. Raises
         InvalidRequestError (nothing is left behind) or UnavailableError (draining / failed).
         Closing or cancelling the generator aborts the request."""
-        await self._admit(req)
-        async for chunk in self._drain_stream(req.request_id):
-            yield chunk
-
-    async def submit(self, req: GenerateRequest, subscriber: str) -> None:
-        """Run a request whose chunks go out on `subscriber`'s stream (subscribe()) rather
-        than a stream of its own. Returns once admitted; raises as generate() does."""
-        await self._admit(req)
-        rid = req.request_id
-        self._forwards[rid] = (subscriber, asyncio.get_running_loop().create_task(self._forward(rid, subscriber)))
-
-    async def subscribe(self, subscriber: str) -> AsyncIterator[list[tuple[str, Any]]]:
-        """The chunks of every request submitted for `subscriber`, in batches: one batch of
-        (request id, StreamChunk or exception) pairs per wake-up, so a step's outputs for a
-        frontend cross Ray as one message instead of one per request. Closing it aborts
-        the subscriber's requests still running."""
-        self._loop = asyncio.get_running_loop()
-        q = self._subscriber_queue(subscriber)
-        try:
-            while True:
-                batch = [await q.get()]
-                await asyncio.sleep(0)  # let the other requests of this step forward theirs
-                while not q.empty():
-                    batch.append(q.get_nowait())
-                yield batch
-        finally:
-            self._subscribers.pop(subscriber, None)
-            for rid, (sub, task) in list(self._forwards.items()):
-                if sub == subscriber:
-                    task.cancel()  # _drain_stream aborts the request
-
-    def _subscriber_queue(self, subscriber: str) -> asyncio.Queue:
-        q = self._subscribers.get(subscriber)
-        if q is None:
-            q = self._subscribers[subscriber] = asyncio.Queue()
-        return q
-
-    async def _forward(self, rid: str, subscriber: str) -> None:
-        try:
-            async for chunk in self._drain_stream(rid):
-                self._subscriber_queue(subscriber).put_nowait((rid, chunk))
-        except asyncio.CancelledError:
-            pass
-        except Exception as e:  # the request's error travels to its reader
-            self._subscriber_queue(subscriber).put_nowait((rid, e))
-        finally:
-            self._forwards.pop(rid, None)
-
-    async def _admit(self, req: GenerateRequest) -> None:
         self._loop = asyncio.get_running_loop()
         if self._draining or self.failed:
             raise UnavailableError(f"worker {self.worker_id} is {'draining' if self._draining else 'failed'}")
@@ -149,6 +97,8 @@ class EngineWorker:
             self._streams.pop(rid, None)
             self._sent.pop(rid, None)
             raise
+        async for chunk in self._drain_stream(rid):
+            yield chunk
 
     async def attach(self, request_id: str) -> AsyncIterator[StreamChunk]:
         """The stream of a request imported here by a migration (waits for the import)."""
