@@ -34,6 +34,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--preemption-mode", choices=["auto", "swap", "recompute"], default="auto")
     p.add_argument("--swap-space-gb", type=float, default=4.0)
+    p.add_argument("--kv-cache-layout", choices=["block_major", "layer_major"], default="block_major",
+                   help="block_major: a block's KV for all layers contiguous (fast swaps); layer_major: "
+                        "a layer's blocks contiguous (faster CPU attention gathers)")
     p.add_argument("--worker-num-cpus", type=float, default=0.5)
     p.add_argument("--grace-period-s", type=float, default=30.0, help="drain time on SIGINT/SIGTERM")
     p.add_argument("--host", default="0.0.0.0", help="address the HTTP and gRPC servers listen on")
@@ -54,7 +57,7 @@ def cluster_config(args):
     engine = dict(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                   kv_cache_memory_gb=args.kv_cache_memory_gb, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, dtype=args.dtype, preemption_mode=args.preemption_mode,
-                  swap_space_gb=args.swap_space_gb)
+                  swap_space_gb=args.swap_space_gb, kv_cache_layout=args.kv_cache_layout)
     return ClusterConfig(model=args.model, num_workers=args.num_workers, redis_url=args.redis_url,
                          router=args.router, address=args.address, namespace=args.namespace, engine=engine,
                          worker_num_cpus=args.worker_num_cpus)

@@ -102,6 +102,8 @@ def test_unknown_architecture_and_missing_weights(model_dirs, tmp_path):
 def test_bad_engine_config(model_dirs):
     with pytest.raises(ConfigError, match="dtype"):
         EngineConfig(model=model_dirs["llama"], dtype="int8")
+    with pytest.raises(ConfigError, match="kv_cache_layout"):
+        EngineConfig(model=model_dirs["llama"], kv_cache_layout="heads_major")
     with pytest.raises(ConfigError, match="max_model_len"):
         LLM(model_dirs["llama"], max_model_len=10**6)
     with pytest.raises(ConfigError, match="contiguous"):
@@ -247,7 +249,7 @@ def test_n_larger_than_max_num_seqs_is_rejected(model_dirs):
 def test_half_precision_runs_and_mostly_agrees(model_dirs, hf_reference, dtype):
     """Low-precision weights and KV: the engine runs; greedy tokens start out as in float32."""
     llm = LLM(model_dirs["llama"], block_size=8, num_kv_blocks=256, dtype=dtype)
-    assert llm.engine.runner.kv_cache.dtype == getattr(__import__("torch"), dtype)
+    assert llm.engine.runner.kv_blocks.dtype == getattr(__import__("torch"), dtype)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0))
     ref = hf_reference(model_dirs["llama"], PROMPTS, 24)
     agree = sum(o.token_ids[0] == r[0] for o, r in zip(outs, ref))

@@ -94,3 +94,61 @@ def test_swap_blocks_batched():
     swap_blocks(dev, host, torch.tensor([[1, 6], [4, 0]]))
     assert torch.equal(host[6], dev[1]) and torch.equal(host[0], dev[4])
     assert (host[1:6] == 0).all()
+
+
+def block_major(k_cache, v_cache, layers=3, layer=1):
+    """The same caches as strided views of layer `layer` of a block-major tensor
+    [blocks, layers, k|v, block_size, kv_heads, head_dim] (the engine's layout), every other
+    layer NaN: a kernel that steps by a block's size instead of the block stride reads NaN."""
+    big = torch.full((k_cache.shape[0], layers, 2, *k_cache.shape[1:]), float("nan"), dtype=k_cache.dtype)
+    big[:, layer, 0], big[:, layer, 1] = k_cache, v_cache
+    return big[:, layer, 0], big[:, layer, 1], big
+
+
+def test_block_major_views_attend_like_contiguous_caches():
+    gen = torch.Generator().manual_seed(3)
+    q_lens, ctx_lens = [1, 7, 1, 5], [37, 29, 1, 5]
+    q, kc, vc, tables, lens, qsl, ks, vs = make_case(gen, q_lens, ctx_lens, 4, 2, 16, 8, torch.float32)
+    k_view, v_view, _ = block_major(kc, vc)
+    assert not k_view.is_contiguous()
+    got = paged_attention(q, k_view, v_view, tables, lens, qsl, 0.25)
+    assert torch.equal(got, paged_attention(q, kc, vc, tables, lens, qsl, 0.25))
+
+
+def test_write_kv_into_block_major_views_touches_only_its_slots():
+    kc, vc = torch.zeros(4, 2, 1, 3), torch.zeros(4, 2, 1, 3)
+    k_view, v_view, big = block_major(kc, vc)
+    key = torch.arange(9.0).view(3, 1, 3) + 1
+    slots = torch.tensor([7, -1, 2])
+    write_kv(key, -key, k_view, v_view, slots)
+    write_kv(key, -key, kc, vc, slots)
+    assert torch.equal(k_view, kc) and torch.equal(v_view, vc) and kc.count_nonzero() == 6
+    assert big[:, [0, 2]].isnan().all(), "another layer was written"
+
+
+def test_copy_blocks_on_block_major_views():
+    gen = torch.Generator().manual_seed(4)
+    ks, vs, bigs = [], [], []
+    for layer in range(2):
+        k, v, big = block_major(torch.randn(6, 4, 2, 8, generator=gen), torch.randn(6, 4, 2, 8, generator=gen),
+                                layers=2, layer=layer)
+        ks.append(k), vs.append(v), bigs.append(big)
+    copy_blocks(ks, vs, torch.tensor([[0, 3], [2, 5]]))
+    for c in (*ks, *vs):
+        assert torch.equal(c[3], c[0]) and torch.equal(c[5], c[2]) and not torch.equal(c[1], c[0])
+
+
+@pytest.mark.parametrize("prebuilt_views", [False, True])
+def test_swap_blocks_moves_every_layer_of_a_block_major_cache(prebuilt_views):
+    dev = torch.randn(8, 3, 2, 4, 2, 8)  # [blocks, layers, k|v, block_size, kv_heads, head_dim]
+    host = torch.zeros(6, 3, 2, 4, 2, 8)
+    views = (list(dev.unbind(0)), list(host.unbind(0))) if prebuilt_views else (None, None)
+    # runs: 2 -> 4 and 3 -> 5 (one run of two), 4..6 -> 0..2 (a run of three)
+    swap_blocks(dev, host, torch.tensor([[5, 1], [2, 4], [4, 0], [6, 2], [3, 5]]), *views)
+    for d, h in ((5, 1), (2, 4), (4, 0), (6, 2), (3, 5)):
+        assert torch.equal(host[h], dev[d])
+    assert (host[3] == 0).all()
+    back = torch.zeros_like(dev)
+    views = (list(host.unbind(0)), list(back.unbind(0))) if prebuilt_views else (None, None)
+    swap_blocks(host, back, [(1, 7), (0, 0)], *views)
+    assert torch.equal(back[7], dev[5]) and torch.equal(back[0], dev[4]) and (back[1:7] == 0).all()

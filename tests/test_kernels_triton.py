@@ -12,7 +12,7 @@ from folio.kernels import reference
 from folio.kernels.copy_blocks import copy_blocks as triton_copy_blocks
 from folio.kernels.paged_attention import paged_attention as triton_paged_attention
 from folio.kernels.write_kv import write_kv as triton_write_kv
-from tests.test_kernels_reference import dense_reference, make_case
+from tests.test_kernels_reference import block_major, dense_reference, make_case
 
 # (gqa ratio, block size, head dim, dtype): every value of each axis at least once, both dtypes each
 CASES = [
@@ -67,6 +67,26 @@ def test_copy_blocks_all_layers_one_launch():
     reference.copy_blocks(rk, rv, mapping)
     for a, b in zip((*ks, *vs), (*rk, *rv)):
         assert torch.equal(a, b)
+
+
+def test_kernels_on_block_major_views():
+    """The engine's layers are strided views of one block-major tensor: every kernel steps by
+    the block stride (the other layers are NaN, so a wrong step shows)."""
+    gen = torch.Generator().manual_seed(5)
+    q_lens, ctx_lens = [1, 5, 1], [19, 11, 1]
+    q, kc, vc, tables, lens, qsl, _, _ = make_case(gen, q_lens, ctx_lens, 4, 2, 16, 8, torch.float32)
+    k_view, v_view, big = block_major(kc, vc)
+    out = triton_paged_attention(q, k_view, v_view, tables, lens, qsl, 0.25)
+    torch.testing.assert_close(out, reference.paged_attention(q, kc, vc, tables, lens, qsl, 0.25),
+                               atol=1e-5, rtol=1e-5)
+    key = torch.randn(3, 2, 16, generator=gen)
+    slots = torch.tensor([3, -1, 2 * 8 + 7])
+    triton_write_kv(key, -key, k_view, v_view, slots)
+    reference.write_kv(key, -key, kc, vc, slots)
+    triton_copy_blocks([k_view], [v_view], torch.tensor([[1, 0], [2, 4]]))
+    reference.copy_blocks([kc], [vc], torch.tensor([[1, 0], [2, 4]]))
+    assert torch.equal(k_view, kc) and torch.equal(v_view, vc)
+    assert big[:, [0, 2]].isnan().all(), "another layer was written"
 
 
 def test_engine_on_triton_backend_matches_torch_backend(model_dirs, monkeypatch):

@@ -90,6 +90,28 @@ def test_export_import_between_engines(model_dirs, hf_reference, temperature):
     assert b.kv.swap.num_free == 64 and b.kv.num_free_blocks == 256
 
 
+def test_layer_major_cache_swaps_and_migrates_to_block_major(model_dirs):
+    """The opt-in layer-major cache under swap pressure gives the calm run's tokens, and its
+    exported KV (the blocks-first wire format of either layout) resumes on a block-major engine."""
+    long = SamplingParams(max_tokens=48, temperature=0.0)
+    want = [o.token_ids for o in LLM(model_dirs["qwen2"], block_size=4, num_kv_blocks=512).generate(PROMPTS, long)]
+    pressured = LLM(model_dirs["qwen2"], block_size=4, num_kv_blocks=28, preemption_mode="swap", num_cpu_blocks=200,
+                    kv_cache_layout="layer_major")
+    assert not pressured.engine.runner.kv_blocks.is_contiguous(), "layer_major must be a blocks-first view"
+    outs = pressured.generate(PROMPTS, long)
+    assert pressured.engine.stats().swapped_in_blocks > 0
+    assert [o.token_ids for o in outs] == want
+    a = LLM(model_dirs["qwen2"], block_size=4, num_kv_blocks=128, kv_cache_layout="layer_major").engine
+    b = LLM(model_dirs["qwen2"], block_size=4, num_kv_blocks=128, num_cpu_blocks=64).engine
+    ids = [a.add_request(f"l{i}", p, long) for i, p in enumerate(PROMPTS)]
+    for _ in range(5):
+        a.step()
+    for i in ids:
+        b.import_request(a.export_request(i))
+    assert [o.token_ids for o in run_all(b, ids)] == want
+    assert b.kv.swap.num_free == 64 and b.kv.num_free_blocks == 128
+
+
 def test_import_without_swap_space_recomputes(model_dirs, hf_reference):
     a = LLM(model_dirs["llama"], block_size=8, num_kv_blocks=256).engine
     b = LLM(model_dirs["llama"], block_size=8, num_kv_blocks=256, preemption_mode="recompute").engine

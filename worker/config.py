@@ -8,6 +8,7 @@ import torch
 
 from folio.worker.errors import ConfigError
 
+KV_CACHE_LAYOUTS = ("block_major", "layer_major")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -28,6 +29,7 @@ class EngineConfig:
     preemption_mode: str = "auto"  # "auto" | "recompute" | "swap" (see worker/preemption.py)
     swap_space_gb: float = 4.0  # CPU memory for swapped-out KV (pinned on CUDA), at most the device cache's size
     num_cpu_blocks: int | None = None  # overrides swap_space_gb, in blocks
+    kv_cache_layout: str = "block_major"  # "block_major" | "layer_major" (see worker/model_runner.py)
     watermark: float = 0.01  # fraction of blocks kept free when admitting (anti-thrash)
     seed: int = 0  # seed for requests that carry none
     tokenizer: str | None = None  # defaults to `model`
@@ -41,6 +43,8 @@ class EngineConfig:
             raise ConfigError(f"kv_manager must be 'paged' or 'contiguous', got {self.kv_manager!r}")
         if self.preemption_mode not in ("auto", "recompute", "swap"):
             raise ConfigError(f"preemption_mode must be auto|recompute|swap, got {self.preemption_mode!r}")
+        if self.kv_cache_layout not in KV_CACHE_LAYOUTS:
+            raise ConfigError(f"kv_cache_layout must be one of {KV_CACHE_LAYOUTS}, got {self.kv_cache_layout!r}")
         if self.swap_space_gb < 0 or (self.num_cpu_blocks is not None and self.num_cpu_blocks < 0):
             raise ConfigError("the swap space cannot be negative")
         if self.max_num_seqs < 1:

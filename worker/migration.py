@@ -32,7 +32,7 @@ class SequenceState:
     rng_state: torch.Tensor | None  # torch.Generator state (None for greedy)
     sent_tokens: int  # output tokens already streamed to the client
     sent_text_len: int
-    kv: torch.Tensor | None  # [layers, 2, num_blocks, block_size, kv_heads, head_dim] on CPU
+    kv: torch.Tensor | None  # [num_blocks, layers, 2, block_size, kv_heads, head_dim] on CPU
 
 
 @dataclass
@@ -65,10 +65,10 @@ def export_request(engine, request_id: str) -> RequestState:
         if not seq.is_finished and seq.num_computed_tokens > 0:
             n = cdiv(seq.num_computed_tokens, B)
             if seq.status is SequenceStatus.SWAPPED:
-                src, blocks = runner.host_cache, kv.swap.tables[seq.seq_id][:n]
+                src, blocks = runner.host_blocks, kv.swap.tables[seq.seq_id][:n]
             else:
-                src, blocks = runner.kv_cache, kv.block_table(seq)[:n]
-            data = src.index_select(2, torch.tensor(blocks, dtype=torch.long, device=src.device)).cpu()
+                src, blocks = runner.kv_blocks, kv.block_table(seq)[:n]
+            data = src.index_select(0, torch.tensor(blocks, dtype=torch.long, device=src.device)).cpu()
         seqs.append(SequenceState(
             seq.index, list(seq.token_ids), seq.num_computed_tokens if data is not None else 0, seq.output_text,
             list(seq.logprobs) if seq.logprobs is not None else None, seq.finish_reason, seq.stop_reason,
@@ -97,9 +97,9 @@ def import_request(engine, state: RequestState) -> str:
     max_len = min(len(state.prompt_token_ids) + state.params.max_tokens, engine.max_model_len)
     if longest >= engine.max_model_len or engine.kv.max_blocks_per_seq(max_len) > engine.num_kv_blocks:
         raise InvalidRequestError(f"request {rid!r} cannot fit in this engine's KV cache")
-    shape = tuple(engine.runner.kv_cache.shape[i] for i in (0, 1, 3, 4, 5))
+    shape = tuple(engine.runner.kv_blocks.shape[1:])
     for s in state.seqs:
-        if s.kv is not None and tuple(s.kv.shape[i] for i in (0, 1, 3, 4, 5)) != shape:
+        if s.kv is not None and (s.kv.dim() != 6 or tuple(s.kv.shape[1:]) != shape):
             raise InvalidRequestError(f"KV of shape {tuple(s.kv.shape)} does not fit this model's cache {shape}")
     group = SequenceGroup(rid, state.prompt_token_ids, state.params, state.arrival_time, state.priority, state.prompt)
     group.forked = state.forked
@@ -121,12 +121,12 @@ def import_request(engine, state: RequestState) -> str:
             continue
         host = None
         if s.kv is not None and hasattr(engine.kv, "swap"):
-            host = engine.kv.swap.adopt(seq.seq_id, s.kv.shape[2])
+            host = engine.kv.swap.adopt(seq.seq_id, s.kv.shape[0])
         if host is None:  # no swap space here (or no KV yet): recompute from the tokens
             engine.scheduler.requeue(seq)
             continue
-        engine.runner.host_cache.index_copy_(2, torch.tensor(host, dtype=torch.long),
-                                             s.kv.to(engine.runner.host_cache.dtype))
+        engine.runner.host_blocks.index_copy_(0, torch.tensor(host, dtype=torch.long),
+                                              s.kv.to(engine.runner.host_blocks.dtype))
         seq.num_computed_tokens = s.num_computed_tokens
         engine.scheduler.add_swapped(seq)
     return rid

@@ -44,8 +44,8 @@ class _SimRunner:
     """Holds no KV: zero-width caches keep the real migration code's shapes consistent."""
 
     def __init__(self, num_blocks: int, num_cpu_blocks: int, block_size: int, bytes_per_block: int) -> None:
-        self.kv_cache = torch.empty(1, 2, num_blocks, block_size, 1, 0)
-        self.host_cache = torch.empty(1, 2, max(num_cpu_blocks, 1), block_size, 1, 0)
+        self.kv_blocks = torch.empty(num_blocks, 1, 2, block_size, 1, 0)
+        self.host_blocks = torch.empty(max(num_cpu_blocks, 1), 1, 2, block_size, 1, 0)
         self.bytes_per_block = bytes_per_block
 
 
