@@ -26,7 +26,8 @@ OVERRIDES = {
     "auth-on": {"apiKey": {"enabled": True, "value": "s3cret"}},
     "auth-existing-secret": {"apiKey": {"enabled": True, "existingSecret": "folio-keys"}},
     "servicemonitor-pdb": {"serviceMonitor": {"enabled": True}, "podDisruptionBudget": {"enabled": True}},
-    "cpu-only": {"cpuOnly": True, "workers": {"replicas": 1, "gpusPerPod": 2}, "serve": {"dtype": "float32"}},
+    "cpu-only": {"cpuOnly": True, "workers": {"replicas": 1, "gpusPerPod": 2},
+                 "serve": {"dtype": "float32", "kvCacheLayout": "layer_major"}},
     "download-model": {"model": {"source": "download", "download": {"command": ["sh", "-c", "fetch-model"]}}},
     "hostpath-model": {"model": {"source": "hostPath", "hostPath": {"path": "/mnt/models/llama"}}},
 }
@@ -112,6 +113,7 @@ def test_serve_arguments_parse_with_the_cli_and_match_the_ports(chart):
         merged = chart.merge_values(values)
         assert args.num_workers == merged["workers"]["replicas"] * merged["workers"]["gpusPerPod"], case
         assert args.model == merged["model"]["path"] and args.address == "auto"
+        assert args.kv_cache_layout == merged["serve"]["kvCacheLayout"], case
         head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
         ports = {p["name"]: p["containerPort"] for p in head["ports"]}
         assert (ports["http"], ports["grpc"], ports["metrics"]) == (args.http_port, args.grpc_port,
@@ -165,6 +167,7 @@ def test_gpu_requests_auth_and_termination(chart):
     ({"apiKey": {"enabled": True}}, "apiKey"),
     ({"serve": {"router": "random"}}, "router"),
     ({"serve": {"grpcPort": 70000}}, "grpcPort"),
+    ({"serve": {"kvCacheLayout": "heads_major"}}, "kvCacheLayout"),
 ])
 def test_bad_values_fail_the_schema_with_a_clear_message(chart, values, message):
     with pytest.raises(helm.HelmValuesError) as e:

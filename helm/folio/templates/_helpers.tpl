@@ -56,6 +56,8 @@ folio.io/role: head
 - {{ .Values.serve.preemptionMode | quote }}
 - --swap-space-gb
 - {{ .Values.serve.swapSpaceGb | quote }}
+- --kv-cache-layout
+- {{ .Values.serve.kvCacheLayout | quote }}
 - --grace-period-s
 - {{ .Values.serve.gracePeriodSeconds | quote }}
 - --host
