@@ -9,10 +9,17 @@
    measured device-to-device copy, and the same attention on contiguous KV with
    torch.nn.functional.scaled_dot_product_attention as the non-paged reference.
 
+3. The same decode attention on the engine's default block-major cache (each layer a
+   strided view of [blocks, layers, k|v, ...]; 4 layers allocated) against per-layer
+   contiguous caches, at batch <= 64 and context <= 8k.
+4. Swap (issue 4): `swap_blocks` of 256 blocks in mixed runs between the device cache and a
+   pinned host cache, Llama-3-8B shapes (32 layers), block-major vs layer-major, against one
+   plain pinned copy of the same bytes, both directions.
+
     python benchmarks/kernels_gpu.py [--quick] [--out benchmarks/results/kernels_gpu.json]
 
 Targets (issue 3): decode >= 70 % of copy bandwidth at batch >= 32 and context >= 2k;
-paged within 1.3x of contiguous SDPA time.
+paged within 1.3x of contiguous SDPA time. Issue 4: swap >= 50 % of the plain copy.
 """
 
 from __future__ import annotations
@@ -88,11 +95,16 @@ def check_correctness(ops_triton, ref) -> list[dict]:
 
 
 def decode_bench(ops_triton, batch: int, ctx: int, block_size: int = 16, heads: int = 32, kv_heads: int = 8,
-                 head_dim: int = 128, dtype=torch.float16) -> dict:
+                 head_dim: int = 128, dtype=torch.float16, block_major_layers: int = 0) -> dict:
     nb = -(-ctx // block_size)
     num_blocks = batch * nb
-    kc = torch.randn(num_blocks, block_size, kv_heads, head_dim, device="cuda", dtype=dtype)
-    vc = torch.randn_like(kc)
+    if block_major_layers:  # layer 1's K and V as strided views of a block-major cache, as the engine has them
+        cache = torch.randn(num_blocks, block_major_layers, 2, block_size, kv_heads, head_dim, device="cuda",
+                            dtype=dtype)
+        kc, vc = cache[:, 1, 0], cache[:, 1, 1]
+    else:
+        kc = torch.randn(num_blocks, block_size, kv_heads, head_dim, device="cuda", dtype=dtype)
+        vc = torch.randn_like(kc)
     tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(batch, nb)
     q = torch.randn(batch, heads, head_dim, device="cuda", dtype=dtype)
     qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
@@ -112,9 +124,67 @@ def decode_bench(ops_triton, batch: int, ctx: int, block_size: int = 16, heads: 
     err = (got.float() - want.float()).abs().max().item()
     kv_bytes = 2 * batch * ctx * kv_heads * head_dim * kc.element_size()
     del kc, vc, kcont, vcont
-    return {"batch": batch, "context": ctx, "paged_ms": t_paged * 1e3, "sdpa_contiguous_ms": t_sdpa * 1e3,
+    return {"batch": batch, "context": ctx, "block_major_layers": block_major_layers, "paged_ms": t_paged * 1e3, "sdpa_contiguous_ms": t_sdpa * 1e3,
             "paged_over_sdpa": t_paged / t_sdpa, "kv_bytes": kv_bytes, "paged_bytes_per_s": kv_bytes / t_paged,
             "max_abs_err_vs_sdpa": err}
+
+
+def swap_bench(device: str = "cuda", num_blocks: int = 1024, swapped: int = 256, layers: int = 32,
+               block_size: int = 16, kv_heads: int = 8, head_dim: int = 128, dtype=torch.float16) -> list[dict]:
+    """swap_blocks between a device cache and a pinned host cache, both layouts, both directions:
+    `swapped` blocks in runs of 1-8 (a mix like preemption.py's), against a plain pinned copy of the
+    same bytes. Each timing is the median of 10 calls, synchronized."""
+    from folio.kernels.reference import swap_blocks
+
+    gen = torch.Generator().manual_seed(0)
+    pairs, dst = [], 0
+    src_free = torch.randperm(num_blocks // 8, generator=gen).tolist()
+    while len(pairs) < swapped:
+        n = int(torch.randint(1, 9, (1,), generator=gen))
+        s = 8 * src_free.pop()
+        pairs += [(s + i, dst + i) for i in range(min(n, swapped - len(pairs)))]
+        dst += n + 1  # host runs not adjacent either
+    host_blocks = dst + 1
+    pin = device == "cuda"
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def timed(fn) -> float:
+        fn()
+        sync()
+        ts = []
+        for _ in range(10):
+            t = time.perf_counter()
+            fn()
+            sync()
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts)
+
+    rows = []
+    for layout in ("block_major", "layer_major"):
+        def cache(n: int, **kw) -> torch.Tensor:
+            if layout == "block_major":
+                return torch.zeros(n, layers, 2, block_size, kv_heads, head_dim, dtype=dtype, **kw)
+            return torch.zeros(layers, 2, n, block_size, kv_heads, head_dim, dtype=dtype, **kw).permute(2, 0, 1, 3, 4, 5)
+
+        dev, host = cache(num_blocks, device=device), cache(host_blocks, pin_memory=pin)
+        views = list(dev.unbind(0)), list(host.unbind(0))
+        nbytes = len(pairs) * dev[0].numel() * dev.element_size()
+        out_s = timed(lambda: swap_blocks(dev, host, pairs, *views))
+        in_s = timed(lambda: swap_blocks(host, dev, [(h, d) for d, h in pairs], views[1], views[0]))
+        plain_dev = torch.empty(nbytes // 2, dtype=torch.float16, device=device)
+        plain_host = torch.empty(nbytes // 2, dtype=torch.float16, pin_memory=pin)
+        plain_out = timed(lambda: plain_host.copy_(plain_dev, non_blocking=True))
+        plain_in = timed(lambda: plain_dev.copy_(plain_host, non_blocking=True))
+        rows.append({"layout": layout, "blocks": len(pairs), "bytes": nbytes,
+                     "swap_out_GBps": nbytes / out_s / 1e9, "swap_in_GBps": nbytes / in_s / 1e9,
+                     "plain_out_GBps": nbytes / plain_out / 1e9, "plain_in_GBps": nbytes / plain_in / 1e9,
+                     "out_vs_plain": plain_out / out_s, "in_vs_plain": plain_in / in_s})
+        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)
+        del dev, host, views, plain_dev, plain_host
+    return rows
 
 
 def main() -> int:
@@ -148,18 +218,32 @@ def main() -> int:
             rows.append(r)
             print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
             torch.cuda.empty_cache()
+    strided = []
+    for ctx in [c for c in contexts if c <= 8192]:
+        for batch in [b for b in batches if b <= 64]:
+            r = decode_bench(ops, batch, ctx, block_major_layers=4)
+            base = next(x for x in rows if x["batch"] == batch and x["context"] == ctx)
+            r["over_per_layer_cache"] = r["paged_ms"] / base["paged_ms"]
+            strided.append(r)
+            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
+            torch.cuda.empty_cache()
+    swaps = swap_bench(num_blocks=1024 if args.quick else 4096)
     big = [r for r in rows if r["batch"] >= 32 and r["context"] >= 2048]
     summary = {
         "correctness_ok": all(c["ok"] and not c["nan"] for c in correctness),
         "copy_bandwidth_GBps": bw / 1e9,
         "min_fraction_of_copy_bw_batch32_ctx2k": min((r["fraction_of_copy_bw"] for r in big), default=None),
         "max_paged_over_sdpa": max((r["paged_over_sdpa"] for r in rows), default=None),
+        "max_block_major_over_per_layer": max((r["over_per_layer_cache"] for r in strided), default=None),
+        "min_swap_vs_plain_block_major": min(min(r["out_vs_plain"], r["in_vs_plain"]) for r in swaps
+                                             if r["layout"] == "block_major"),
         "seconds": time.time() - t0,
     }
     doc = {"benchmark": "kernels_gpu", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "platform": platform.platform(),
            "shapes": {"heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "float16", "block_size": 16},
-           "correctness": correctness, "decode": rows, "summary": summary}
+           "correctness": correctness, "decode": rows, "decode_block_major": strided, "swap": swaps,
+           "summary": summary}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=2)
