@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import pytest
 
 from folio.worker import LLM, SamplingParams
@@ -170,6 +173,15 @@ def test_export_of_unknown_request_and_bad_import(model_dirs):
     with pytest.raises(InvalidRequestError, match="block size"):
         other.import_request(state)
     other.check_invariants()
+    short = copy.copy(state)
+    short.seqs = [dataclasses.replace(state.seqs[0], kv=state.seqs[0].kv[:-1])]
+    with pytest.raises(InvalidRequestError, match="does not hold"):
+        a.import_request(short)
+    wrong = copy.copy(state)
+    wrong.seqs = [dataclasses.replace(state.seqs[0], kv=state.seqs[0].kv[:, 1:])]  # a layer short
+    with pytest.raises(InvalidRequestError, match="does not fit"):
+        a.import_request(wrong)
+    a.check_invariants()
     a.import_request(state)
     with pytest.raises(InvalidRequestError, match="already in use"):
         a.import_request(state)

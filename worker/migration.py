@@ -101,6 +101,9 @@ def import_request(engine, state: RequestState) -> str:
     for s in state.seqs:
         if s.kv is not None and (s.kv.dim() != 6 or tuple(s.kv.shape[1:]) != shape):
             raise InvalidRequestError(f"KV of shape {tuple(s.kv.shape)} does not fit this model's cache {shape}")
+        if s.kv is not None and s.kv.shape[0] != cdiv(s.num_computed_tokens, state.block_size):
+            raise InvalidRequestError(f"KV of {s.kv.shape[0]} blocks does not hold {s.num_computed_tokens} tokens "
+                                      f"in blocks of {state.block_size}")
     group = SequenceGroup(rid, state.prompt_token_ids, state.params, state.arrival_time, state.priority, state.prompt)
     group.forked = state.forked
     group.seqs = []
