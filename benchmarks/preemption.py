@@ -1,12 +1,14 @@
 """Preemption under KV oversubscription: swap vs recompute vs auto, block sizes 8-64.
 
 All requests are queued at start and together need ~3x the device KV blocks, so
-the engine must preempt. Per (mode, block size): output tokens/s, normalized
-latency (end-to-end latency / output tokens, the PagedAttention paper's metric;
-mean and p99), preemptions by mode, bytes swapped, and the swap bandwidth achieved
-against a plain torch copy of the same bytes on this machine (target >= 50 %).
+the engine must preempt. Per (KV cache layout, block size, mode): output tokens/s,
+normalized latency (end-to-end latency / output tokens, the PagedAttention paper's
+metric; mean and p99), preemptions by mode, bytes swapped, and the swap bandwidth
+achieved against a plain torch copy of the same bytes on this machine (target >= 50 %):
+paired (after each step that swapped, one contiguous copy of that many bytes from cold
+memory) and streaming (chunks of the mean swap size back to back).
 
-    python benchmarks/preemption.py --model models/tiny-llama-8l [--quick]
+    python benchmarks/preemption.py --model models/tiny-llama-8l --requests 24 --rounds 3 [--quick]
 """
 
 from __future__ import annotations
