@@ -114,7 +114,8 @@ class SequenceGroup:
         if self.params.greedy:
             return None
         g = torch.Generator(device="cpu")
-        seed = self.params.seed + index if self.params.seed is not None else random.getrandbits(63)
+        seed = self.params.completion_seed(index)
+        seed = random.getrandbits(63) if seed is None else seed
         g.manual_seed(seed)
         return g
 
@@ -154,6 +155,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    error: str | None = None  # the engine failed this request (finish_reason "error"): why
 
     # Shortcuts to the first completion, as in DESIGN.md: outs[i].token_ids / .text / .finish_reason
     @property
