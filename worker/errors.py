@@ -6,7 +6,12 @@ class FolioError(Exception):
 
 
 class InvalidRequestError(FolioError, ValueError):
-    """The request itself is bad (HTTP 400 / gRPC INVALID_ARGUMENT). The engine is unchanged."""
+    """The request itself is bad (HTTP 400 / gRPC INVALID_ARGUMENT). The engine is unchanged.
+    `param`: the request field at fault, when known (OpenAI's error shape names it)."""
+
+    def __init__(self, message: str = "", param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ModelLoadError(FolioError):
