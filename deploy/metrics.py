@@ -7,12 +7,17 @@ folio_preemptions_total{mode}, folio_swapped_out_blocks_total,
 folio_swapped_in_blocks_total, folio_migrations_total, folio_prompt_tokens_total,
 folio_generation_tokens_total, folio_prefix_cache_queries_total,
 folio_prefix_cache_hits_total (the workers' cumulative counts, from their heartbeats).
+Cluster state: folio_cluster_state_up (1/0: Redis answered the scrape) and
+folio_worker_heartbeat_age_seconds{worker}; while Redis is away the per-worker figures
+keep their last values (their age grows) instead of vanishing.
 Frontend: folio_requests_total{finish_reason} and the histograms
 folio_time_to_first_token_seconds, folio_inter_token_latency_seconds,
 folio_e2e_request_latency_seconds, folio_queue_time_seconds.
 """
 
 from __future__ import annotations
+
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -25,12 +30,25 @@ class WorkerCollector:
 
     def __init__(self, state) -> None:
         self.state = state
+        self._last: dict = {}  # the loads of the last scrape that reached the cluster state
 
     def collect(self):
+        # Redis away: the last values stay (not a silent drop to nothing), marked by
+        # folio_cluster_state_up 0 and a growing folio_worker_heartbeat_age_seconds
         try:
-            loads = self.state.live_loads()
+            loads = self._last = self.state.live_loads()
+            up = 1.0
         except Exception:
-            loads = {}
+            loads, up = self._last, 0.0
+        g = GaugeMetricFamily("folio_cluster_state_up", "1 if the cluster state (Redis) answered this scrape, else 0")
+        g.add_metric([], up)
+        yield g
+        age = GaugeMetricFamily("folio_worker_heartbeat_age_seconds", "Age of the worker's figures below",
+                                labels=["worker"])
+        now = time.time()
+        for w, l in loads.items():
+            age.add_metric([w], max(now - l.timestamp, 0.0))
+        yield age
         gauges = {
             "folio_requests_running": ("Requests running on the worker", lambda l: l.num_running),
             "folio_requests_waiting": ("Requests waiting on the worker", lambda l: l.num_waiting),

@@ -93,6 +93,9 @@ class FolioFrontend:
             return JSONResponse({"status": "unavailable", "detail": str(e)}, status_code=503)
         if not loads:
             return JSONResponse({"status": "unavailable", "workers": 0}, status_code=503)
+        if self.frontend.router.degraded:  # 200: it still serves (load-only routing, last known loads)
+            return JSONResponse({"status": "degraded", "workers": len(loads),
+                                 "detail": self.frontend.router.state_error})
         return JSONResponse({"status": "ok", "workers": len(loads)})
 
     @api.get("/metrics")
