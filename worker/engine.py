@@ -22,11 +22,12 @@ from folio.worker.models.loader import load_model
 from folio.worker.outputs import OUTPUT_KINDS, make_request_output
 from folio.worker.migration import RequestState, export_request, import_request
 from folio.worker.preemption import PreemptionRates
+from folio.worker import fault_isolation
 from folio.worker.sampler import sample
 from folio.worker.sampling_params import SamplingParams
 from folio.worker.scheduler import Scheduler
 from folio.worker.sizing import size_engine
-from folio.worker.sequence import RequestOutput, Sequence, SequenceGroup, SequenceStatus
+from folio.worker.sequence import CompletionOutput, RequestOutput, Sequence, SequenceGroup, SequenceStatus
 from folio.worker.stats import EngineStats, StepTimings
 
 
@@ -205,24 +206,27 @@ class LLMEngine:
             self.rates.swap_bytes_per_s = PreemptionRates.ema(self.rates.swap_bytes_per_s, moved / max(ts, 1e-9))
             t1 = time.perf_counter()
         self.runner.copy_blocks(sched.block_copies)
-        inputs = self.runner.prepare(sched.scheduled, self.kv)
+        blamed: dict[str, str] = {}  # request id -> why: a fault traced to it (fault_isolation.py)
         t2 = time.perf_counter()
-        logits = self.runner.execute(inputs)
+        sample_seqs, logits, ran = fault_isolation.forward(self, sched.scheduled, blamed)
         t3 = time.perf_counter()
         if sched.num_batched_tokens >= 64:  # a prompt-sized batch: what recomputing costs
             self.rates.prefill_tokens_per_s = PreemptionRates.ema(self.rates.prefill_tokens_per_s,
                                                                   sched.num_batched_tokens / max(t3 - t2, 1e-9))
         self.num_steps += 1
-        for seq, n in sched.scheduled:
+        for seq, n in ran:  # only sequences whose forward completed advance
             seq.num_computed_tokens += n
             self.kv.cache_blocks(seq)
         outs: list[RequestOutput] = []
         t4 = t3
         if logits is not None:
-            seqs, logits = self._fork(inputs.sample_seqs, logits)
-            result = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            seqs, logits = self._fork(sample_seqs, logits, blamed)
+            seqs, result = fault_isolation.sample(self, sample, seqs, logits, blamed)
             t4 = time.perf_counter()
-            outs = self._apply_samples(seqs, result)
+            if result is not None:
+                outs = self._apply_samples(seqs, result, blamed)
+        if blamed:
+            outs += self._fail_requests(blamed)
         tm = self.timings
         tm.prepare += t2 - t1
         tm.forward += t3 - t2
@@ -231,20 +235,31 @@ class LLMEngine:
         tm.steps += 1
         return outs
 
-    def _fork(self, to_sample: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], torch.Tensor]:
+    def _fork(self, to_sample: list[Sequence], logits: torch.Tensor,
+              blamed: dict[str, str] | None = None) -> tuple[list[Sequence], torch.Tensor]:
         """A request with n > 1 forks its completions when its prompt's prefill completes;
-        the children sample from the parent's logits row."""
+        the children sample from the parent's logits row. A request whose fork raises is
+        blamed (and left unforked: nothing changed) when `blamed` is given."""
         rows: list[int] = []
         seqs: list[Sequence] = []
         for r, seq in enumerate(to_sample):
+            group = seq.group
+            gens: list = []
+            if not group.forked:
+                try:  # everything that can fail comes before the first change
+                    gens = [group.make_generator(i) for i in range(1, group.params.n)]
+                except Exception as e:
+                    if blamed is None:
+                        raise
+                    blamed[group.request_id] = fault_isolation.describe(e)
+                    continue
             rows.append(r)
             seqs.append(seq)
-            group = seq.group
             if not group.forked:
                 group.forked = True
-                for i in range(1, group.params.n):
+                for i, gen in zip(range(1, group.params.n), gens):
                     child = Sequence(group, i, seq.token_ids)
-                    child.generator = group.make_generator(i)
+                    child.generator = gen
                     child.num_computed_tokens = seq.num_computed_tokens
                     group.seqs.append(child)
                     if self.kv.fork(seq, child):
@@ -257,12 +272,21 @@ class LLMEngine:
             logits = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device))
         return seqs, logits
 
-    def _apply_samples(self, seqs: list[Sequence], result) -> list[RequestOutput]:
+    def _apply_samples(self, seqs: list[Sequence], result, blamed: dict[str, str] | None = None) -> list[RequestOutput]:
         now = time.monotonic()
         touched: dict[str, SequenceGroup] = {}
         for seq, token, lp in zip(seqs, result.token_ids, result.logprobs):
-            self._append_token(seq, token, lp)
             group = seq.group
+            if blamed and group.request_id in blamed:
+                continue
+            try:
+                self._append_token(seq, token, lp)
+            except Exception as e:  # detokenizing or a stop check raised: this request's fault
+                if blamed is None:
+                    raise
+                blamed[group.request_id] = fault_isolation.describe(e)
+                touched.pop(group.request_id, None)
+                continue
             if group.metrics.first_token_time is None:
                 group.metrics.first_token_time = now
             touched[group.request_id] = group
@@ -288,6 +312,25 @@ class LLMEngine:
         if reason is not None:
             seq.finish_reason = reason
             self.scheduler.finish(seq, reason)
+
+    def _fail_requests(self, blamed: dict[str, str]) -> list[RequestOutput]:
+        """End every blamed request now: blocks freed, a final output with `error` set."""
+        outs = []
+        for rid, why in blamed.items():
+            group = self.groups.pop(rid, None)
+            self._output_kind.pop(rid, None)
+            if group is None:
+                continue
+            for seq in group.seqs:
+                if not seq.is_finished:
+                    seq.finish_reason = "error"
+                    self.scheduler.finish(seq, "error")
+            group.forked = True
+            group.metrics.finished_time = time.monotonic()
+            done = [CompletionOutput(s.index, [], "", "error") for s in group.seqs]
+            outs.append(RequestOutput(rid, group.prompt, group.prompt_token_ids, done, True, group.metrics,
+                                      error=f"request {rid} failed in the engine: {why}"))
+        return outs
 
     def _make_outputs(self, groups, now: float) -> list[RequestOutput]:
         outs = []

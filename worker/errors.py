@@ -35,3 +35,14 @@ class WorkerFailedError(UnavailableError):
 class OverloadedError(FolioError):
     """The admission queue is full (HTTP 429 with Retry-After / gRPC RESOURCE_EXHAUSTED):
     the request was not queued; retry later."""
+
+
+class RequestFailedError(FolioError):
+    """The engine failed this one request: a step raised and the fault was traced to it
+    (it failed when run alone while the engine stayed healthy). The request's blocks are
+    freed and the worker goes on serving the others (HTTP 500 / gRPC INTERNAL)."""
+
+
+class EngineFailedError(FolioError):
+    """A step raised and the fault could not be blamed on any request (the engine itself,
+    or its device, is broken): the worker fails all its requests and is restarted."""

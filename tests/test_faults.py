@@ -1,0 +1,184 @@
+"""Faults inside a step: only the requests the engine can blame fail, the engine keeps serving.
+
+Poisons are injected where the engine cannot see them coming (validation at the boundary
+is another layer): values set on SamplingParams after construction that the real sampler
+chokes on, and a forward / sampler / detokenizer that raise for chosen requests once they
+have produced k tokens (the forward raises after writing its KV, as a fault mid-step would).
+"""
+
+import dataclasses
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from folio.worker import LLMEngine, EngineConfig, SamplingParams
+from folio.worker import engine as engine_module
+from folio.worker.errors import EngineFailedError
+from folio.worker.sampler import sample as real_sample
+
+# small: prompts are chunked (budget 32 tokens) and a burst preempts (swap or recompute)
+ENGINE = dict(block_size=4, num_kv_blocks=24, num_cpu_blocks=24, max_model_len=128, max_num_batched_tokens=32,
+              preemption_mode="auto", max_num_seqs=8)
+
+
+class Poison(Exception):
+    pass
+
+
+class Faults:
+    """Injected faults: request id -> (site, k): raise at `site` once the request has k output tokens."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.plan: dict[str, tuple[str, int]] = {}
+        self.fired: set[str] = set()
+        self.by_params: dict[int, str] = {}  # id(params) -> request id (the sampler sees params only)
+        runner, det = engine.runner, engine.detokenizer
+        real_prepare, real_execute, real_append = runner.prepare, runner.execute, det.append_token
+
+        def prepare(scheduled, kv):
+            inputs = real_prepare(scheduled, kv)
+            inputs.scheduled = scheduled
+            return inputs
+
+        def execute(inputs):
+            out = real_execute(inputs)  # the KV is written, then the step fails
+            for seq, _ in inputs.scheduled:
+                self._check(seq.group.request_id, "forward", seq.num_output_tokens)
+            return out
+
+        def append_token(seq, token):
+            self._check(seq.group.request_id, "postprocess", seq.num_output_tokens - 1)
+            return real_append(seq, token)
+        runner.prepare, runner.execute, det.append_token = prepare, execute, append_token
+        self.engine = engine
+
+    def _check(self, rid: str, site: str, n_out: int) -> None:
+        s, k = self.plan.get(rid, (None, 0))
+        if s == site and n_out >= k:
+            self.fired.add(rid)
+            raise Poison(f"{site} poisoned for {rid}")
+
+    def sample(self, real):
+        def sample(logits, params, generators):
+            for p in params:
+                rid = self.by_params.get(id(p))
+                if rid is not None:
+                    self._check(rid, "sample", max(s.num_output_tokens for s in self.engine.groups[rid].seqs))
+            try:
+                return real(logits, params, generators)
+            except Exception:
+                for p in params:  # the real sampler's own fault (params poisoned after construction)
+                    rid = self.by_params.get(id(p))
+                    if rid is not None and self.plan.get(rid, ("",))[0] in ("logprobs", "top_k"):
+                        self.fired.add(rid)
+                raise
+        return sample
+
+
+def faults_site(rid, reqs):
+    return reqs[int(rid[1:])]["poison"][0]
+
+
+@pytest.fixture(scope="module")
+def engine(model_dirs):
+    e = LLMEngine(EngineConfig(model=model_dirs["llama"], **ENGINE))
+    return e
+
+
+@pytest.fixture(scope="module")
+def faults(engine):
+    return Faults(engine)
+
+
+def run_all(engine, reqs, check=True):
+    """reqs: (rid, prompt, params) -> {rid: RequestOutput}; invariants checked after every step."""
+    for rid, prompt, params in reqs:
+        engine.add_request(rid, prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if check:
+            engine.check_invariants()
+    assert engine.kv.num_free_blocks == engine.num_kv_blocks
+    return done
+
+
+request = st.fixed_dictionaries({
+    "prompt": st.lists(st.integers(1, 250), min_size=1, max_size=45),
+    "max_tokens": st.integers(1, 10),
+    "n": st.sampled_from([1, 1, 2]),
+    "sampled": st.booleans(),
+    "poison": st.one_of(st.none(), st.none(), st.tuples(st.sampled_from(["forward", "sample", "postprocess"]),
+                                                        st.integers(0, 6)),
+                        st.sampled_from([("logprobs", 0), ("top_k", 0)])),
+})
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                 HealthCheck.too_slow])
+@given(reqs=st.lists(request, min_size=2, max_size=7))
+def test_poisoned_requests_fail_alone_and_the_rest_match_a_clean_run(engine, faults, monkeypatch, reqs):
+    monkeypatch.setattr(engine_module, "sample", faults.sample(real_sample))
+    faults.plan.clear(), faults.fired.clear(), faults.by_params.clear()
+    batch, clean = [], []
+    for i, r in enumerate(reqs):
+        rid = f"r{i}"
+        params = SamplingParams(max_tokens=r["max_tokens"], n=r["n"], ignore_eos=True, logprobs=1,
+                                temperature=0.8 if r["sampled"] else 0.0, seed=1000 + i)
+        clean.append((rid, r["prompt"], dataclasses.replace(params)))
+        if r["poison"] is not None:
+            site, k = r["poison"]
+            if site == "logprobs":
+                params.logprobs = 10 ** 4  # beyond the vocabulary: topk raises
+            elif site == "top_k":
+                params.temperature, params.top_k = 0.8, 10 ** 30  # beyond int64
+            faults.plan[rid] = (site, k)
+        faults.by_params[id(params)] = rid
+        batch.append((rid, r["prompt"], params))
+    preempted = engine.scheduler.stats.num_preemptions
+    got = run_all(engine, batch)
+    faults.plan.clear()
+    expect = run_all(engine, [c for c in clean if c[0] not in faults.fired])
+    assert set(got) == {rid for rid, _, _ in batch}
+    for rid in faults.fired:
+        event(f"fired: {faults_site(rid, reqs)}")
+    event(f"preempted in the poisoned run: {engine.scheduler.stats.num_preemptions > preempted}")
+    for rid, out in got.items():
+        if rid in faults.fired:
+            assert out.error and rid in out.error and all(c.finish_reason == "error" for c in out.outputs), out
+        else:
+            assert out.error is None
+            assert [c.token_ids for c in out.outputs] == [c.token_ids for c in expect[rid].outputs], rid
+            assert [c.finish_reason for c in out.outputs] == ["length"] * len(out.outputs)
+    assert not engine.groups and not engine.scheduler.has_unfinished()
+    engine.check_invariants()
+
+
+def test_the_issues_values_fail_their_request_only(model_dirs):
+    """logprobs beyond the vocabulary and top_k beyond int64 (set past any validation) made
+    every later step raise; now the request fails and its neighbour is untouched."""
+    e = LLMEngine(EngineConfig(model=model_dirs["llama"], **ENGINE))
+    ref = run_all(e, [("g", [5, 6, 7], SamplingParams(max_tokens=6, temperature=0.0))])["g"].token_ids
+    for field, value in (("logprobs", 10 ** 4), ("top_k", 10 ** 30)):
+        bad = SamplingParams(max_tokens=6, temperature=0.7)
+        setattr(bad, field, value)
+        got = run_all(e, [("bad", [1, 2, 3], bad), ("g", [5, 6, 7], SamplingParams(max_tokens=6, temperature=0.0))])
+        assert got["bad"].finish_reason == "error" and got["g"].token_ids == ref
+        assert ("index" in got["bad"].error) if field == "logprobs" else ("Overflow" in got["bad"].error)
+
+
+def test_a_fault_no_request_explains_fails_the_engine(model_dirs, monkeypatch):
+    """The model itself raises (as a device error would): the probe fails too, nothing is
+    blamed, the step raises EngineFailedError."""
+    e = LLMEngine(EngineConfig(model=model_dirs["llama"], **ENGINE))
+    e.add_request("a", [1, 2, 3], SamplingParams(max_tokens=4))
+    e.add_request("b", [4, 5, 6], SamplingParams(max_tokens=4))
+
+    def broken(*a, **kw):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(e.model, "forward", broken)
+    with pytest.raises(EngineFailedError, match="illegal memory access"):
+        e.step()
