@@ -1,17 +1,21 @@
-"""What both frontends (OpenAI HTTP, gRPC) share: tokenization, admission control,
-the router, and per-request metrics.
+"""What both frontends (OpenAI HTTP, gRPC) share: tokenization, validation, admission
+control, the router, and per-request metrics.
 
-    frontend.prompt_ids(text | ids)          -> token ids (InvalidRequestError if empty)
-    frontend.chat_ids(messages)              -> token ids through the chat template
-    async for chunk in frontend.generate(ids, params, priority, request_id): ...
+    ids = await frontend.text_ids(text) | frontend.token_ids(ids) | await frontend.chat_ids(messages)
+    frontend.check(prompts, params, priority)   # every bound, before anything is admitted
+    admission = frontend.admit(len(prompts))    # all of a request's prompts, or OverloadedError
+    async for chunk in frontend.generate(ids, params, priority, request_id, admission): ...
+    admission.release()                          # whatever its streams did not release
 
-Admission: at most `max_num_requests` requests in flight through this frontend; one
-more raises OverloadedError at once (429 / RESOURCE_EXHAUSTED), never a queue that
-hangs. Errors are Folio's typed ones; each frontend maps them to its status codes.
+Admission: at most `max_num_requests` prompts in flight through this frontend; a request
+whose prompts do not all fit raises OverloadedError at once (429 / RESOURCE_EXHAUSTED),
+never a queue that hangs and never half of a request admitted. Errors are Folio's typed
+ones; each frontend maps them to its status codes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 import uuid
@@ -22,9 +26,12 @@ from folio.cluster.router import Router
 from folio.cluster.state import ClusterState
 from folio.cluster.worker_client import RayWorkerClient
 from folio.deploy.metrics import Metrics
+from folio.deploy.prompts import Prompts, plain_chat_prompt  # noqa: F401  (plain_chat_prompt: re-exported)
 from folio.worker.errors import InvalidRequestError, OverloadedError
 from folio.worker.messages import GenerateRequest, StreamChunk
-from folio.worker.sampling_params import SamplingParams
+from folio.worker.sampling_params import SamplingParams, check_priority, check_token_ids
+
+MAX_BODY_BYTES = 8 * 2**20
 
 
 @dataclass
@@ -36,72 +43,118 @@ class FrontendConfig:
     max_model_len: int = 2048
     block_size: int = 16
     num_workers: int = 1
-    max_num_requests: int = 256  # in flight through one frontend replica; more get 429
+    max_num_requests: int = 256  # prompts in flight through one frontend replica; more get 429
+    max_num_seqs: int = 256  # the workers' limit: n (and best_of) above it get 400
     api_key: str | None = None
     served_model_name: str | None = None  # what /v1/models lists (default: the directory's name)
     grpc_port: int | None = 50051
     metrics_port: int | None = None
+    host: str = "0.0.0.0"  # what the gRPC and metrics ports bind (`folio serve --host`)
+    max_body_bytes: int = MAX_BODY_BYTES  # an HTTP body above it gets 413
 
     @property
     def model_name(self) -> str:
         return self.served_model_name or os.path.basename(os.path.normpath(self.model))
 
 
-def plain_chat_prompt(messages: list[dict]) -> str:
-    """For tokenizers without a chat template: one `role: content` line per message."""
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+def default_max_tokens(max_model_len: int, block_size: int, kv_blocks: list[int], n_prompt: int) -> int:
+    """max_tokens when a request gives none: the room left after the prompt, in the model's
+    length and in the smallest KV cache (a paged sequence of L tokens needs ceil(L / block_size)
+    blocks); at least 1 (a prompt that leaves none is refused by `check`)."""
+    fits = min([max_model_len] + [b * block_size for b in kv_blocks if b > 0])
+    return max(fits - n_prompt, 1)
+
+
+class Admission:
+    """`count` slots of the frontend's admission limit, released one per finished stream
+    (`done_one`) and all the rest by `release` (idempotent)."""
+
+    def __init__(self, frontend: "Frontend", count: int) -> None:
+        self.frontend, self.count = frontend, count
+
+    def done_one(self) -> None:
+        if self.count > 0:
+            self.count -= 1
+            self.frontend.in_flight -= 1
+
+    def release(self) -> None:
+        self.frontend.in_flight -= self.count
+        self.count = 0
 
 
 class Frontend:
     def __init__(self, cfg: FrontendConfig, router: Router | None = None) -> None:
-        from transformers import AutoTokenizer
+        from folio.worker.models.config import ModelConfig
 
         self.cfg = cfg
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        self.vocab_size = len(self.tokenizer)
+        self.vocab_size = ModelConfig.from_dir(cfg.model).vocab_size  # what the model embeds
+        self.prompts = Prompts(cfg.model, cfg.max_model_len, self.vocab_size)
+        self.tokenizer = self.prompts.tokenizer
         state = ClusterState(cfg.redis_url, cfg.namespace)
         self.router = router or Router(state, RayWorkerClient(cfg.namespace, cfg.namespace), cfg.router)
         self.metrics = Metrics(ClusterState(cfg.redis_url, cfg.namespace))
         self.in_flight = 0
 
-    # ---- prompts -----------------------------------------------------------------------
-    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("the prompt is empty")
-            ids = self.tokenizer(prompt).input_ids
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
-        else:
-            raise InvalidRequestError("a prompt is a string or a list of token ids")
-        if not ids:
-            raise InvalidRequestError("the prompt is empty")
-        return ids
+    # ---- prompts and checks ------------------------------------------------------------
+    async def text_ids(self, text: str) -> list[int]:
+        return await self.prompts.text_ids(text)
 
-    def chat_ids(self, messages: list[dict]) -> list[int]:
-        if not isinstance(messages, list) or not messages:
-            raise InvalidRequestError("messages must be a non-empty list")
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise InvalidRequestError("each message needs a string 'role' and a string 'content'")
-        if getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-                ids = ids["input_ids"]
-            return list(ids)
-        return self.prompt_ids(plain_chat_prompt(messages))
+    def token_ids(self, ids: list[int]) -> list[int]:
+        return self.prompts.token_ids(ids)
+
+    async def chat_ids(self, messages: list[dict]) -> list[int]:
+        return await self.prompts.chat_ids(messages)
+
+    def check(self, prompts: list[list[int]], params: SamplingParams, priority: int) -> None:
+        """Every bound the workers would enforce, checked before admission, so a request is
+        refused whole (nothing of it runs) and no value the engine cannot take reaches it."""
+        check_priority(priority)
+        for ids in prompts:
+            if len(ids) >= self.cfg.max_model_len:
+                raise InvalidRequestError(f"the prompt has {len(ids)} tokens; max_model_len is "
+                                          f"{self.cfg.max_model_len}, which leaves no room for a generated token",
+                                          param="prompt")
+        if params.n > self.cfg.max_num_seqs:
+            raise InvalidRequestError(f"n={params.n} completions exceed max_num_seqs={self.cfg.max_num_seqs}",
+                                      param="n")
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise InvalidRequestError(f"logprobs={params.logprobs} exceeds the vocabulary ({self.vocab_size})",
+                                      param="logprobs")
+        check_token_ids(params.stop_token_ids, self.vocab_size, "stop_token_ids", "stop_token_ids")
+        if len(prompts) > self.cfg.max_num_requests:
+            raise InvalidRequestError(f"{len(prompts)} prompts in one request exceed the frontend's limit of "
+                                      f"{self.cfg.max_num_requests} in flight", param="prompt")
+
+    async def default_max_tokens(self, n_prompt: int) -> int:
+        """A chat request without max_tokens gets what fits: up to max_model_len, and no more
+        than one sequence can hold in the smallest live worker's KV cache."""
+        try:
+            kv = [l.num_kv_blocks for l in (await self.router.live_loads()).values()]
+        except Exception:  # no figures (Redis away): the model's limit alone
+            kv = []
+        return default_max_tokens(self.cfg.max_model_len, self.cfg.block_size, kv, n_prompt)
+
+    def admit(self, count: int = 1) -> Admission:
+        if self.in_flight + count > self.cfg.max_num_requests:
+            raise OverloadedError(f"{self.in_flight} requests in flight: the admission queue is full")
+        self.in_flight += count
+        return Admission(self, count)
+
+    def count_error(self, e: BaseException) -> None:
+        """A request that ended in an error (a bad one included) counts as finish_reason="error",
+        once, never as an abort."""
+        if not getattr(e, "_folio_counted", False):
+            self.metrics.requests.labels(finish_reason="error").inc()
 
     # ---- serving -----------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
-                       request_id: str | None = None) -> AsyncIterator[StreamChunk]:
-        """Admit (or raise OverloadedError), route, stream; records the request's metrics.
-        Closing the iterator early aborts the request on its worker."""
-        if len(prompt_ids) >= self.cfg.max_model_len:
-            raise InvalidRequestError(f"the prompt has {len(prompt_ids)} tokens; max_model_len is "
-                                      f"{self.cfg.max_model_len}, which leaves no room for a generated token")
-        if self.in_flight >= self.cfg.max_num_requests:
-            raise OverloadedError(f"{self.in_flight} requests in flight: the admission queue is full")
-        self.in_flight += 1
+                       request_id: str | None = None, admission: Admission | None = None
+                       ) -> AsyncIterator[StreamChunk]:
+        """Route and stream one prompt (checked and admitted first unless `admission` is given);
+        records the request's metrics. Closing the iterator early aborts the request on its worker."""
+        if admission is None:
+            self.check([prompt_ids], params, priority)
+            admission = self.admit(1)
         m = self.metrics
         rid = request_id or f"req-{uuid.uuid4().hex}"
         t0 = time.perf_counter()
@@ -122,13 +175,21 @@ class Frontend:
                 if chunk.finished:
                     reason = next((d.finish_reason for d in chunk.deltas if d.finish_reason), "stop")
                 yield chunk
+        except (GeneratorExit, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            reason = reason or "error"
+            e._folio_counted = True
+            raise
         finally:
             # closed here, not left to the garbage collector: closing it is what aborts the
             # request on its worker when the client went away (a CI run saw it run to the end)
-            await stream.aclose()
-            self.in_flight -= 1
-            m.requests.labels(finish_reason=reason or "abort").inc()
-            m.e2e.observe(time.perf_counter() - t0)
+            try:
+                await stream.aclose()
+            finally:
+                admission.done_one()
+                m.requests.labels(finish_reason=reason or "abort").inc()
+                m.e2e.observe(time.perf_counter() - t0)
 
     async def abort(self, request_id: str) -> bool:
         return await self.router.abort(request_id)

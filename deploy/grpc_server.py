@@ -4,7 +4,8 @@ standard grpc.health.v1.Health service, and server reflection.
 Status codes: INVALID_ARGUMENT (bad input), RESOURCE_EXHAUSTED (admission queue
 full), UNAVAILABLE (no live worker), DEADLINE_EXCEEDED (the client's deadline: the
 request is aborted when it passes), CANCELLED (aborted), UNAUTHENTICATED (API key
-set and `authorization: Bearer <key>` missing from the metadata). A client that
+set and `authorization: Bearer <key>` missing from the metadata; the scheme is
+case-insensitive). A client that
 cancels or disconnects aborts its request: the handler's stream is closed, which
 aborts it on the worker within one engine step.
 """
@@ -16,6 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from folio.deploy.auth import bearer_ok
 from folio.deploy.frontend import Frontend
 from folio.v1 import generate_pb2 as pb
 from folio.v1 import generate_pb2_grpc as pb_grpc
@@ -24,6 +26,7 @@ from folio.worker.sampling_params import SamplingParams
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # reachable without the API key
+MAX_REQUEST_ID_CHARS = 256
 
 
 def status_of(e: Exception) -> grpc.StatusCode:
@@ -59,27 +62,34 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
 
-    def _prompt(self, request: pb.GenerateRequest) -> list[int]:
+    async def _prompt(self, request: pb.GenerateRequest) -> list[int]:
         which = request.WhichOneof("prompt")
         if which == "text":
-            return self.frontend.prompt_ids(request.text)
+            return await self.frontend.text_ids(request.text)
         if which == "token_ids":
-            ids = list(request.token_ids.ids)
-            if not ids:
-                raise InvalidRequestError("the prompt is empty")
-            return ids
+            return self.frontend.token_ids(list(request.token_ids.ids))
         raise InvalidRequestError("the request has no prompt: set text or token_ids")
 
     async def _stream(self, request, context):
-        """(chunk) of the request, with errors turned into the RPC's status."""
+        """(chunk) of the request, with errors turned into the RPC's status: bad input is
+        INVALID_ARGUMENT, and anything unexpected INTERNAL with its reason, never UNKNOWN."""
         try:
-            ids = self._prompt(request)
+            if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+                raise InvalidRequestError(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
             params = sampling_params(request.sampling)
+            ids = await self._prompt(request)
             gen = self.frontend.generate(ids, params, request.priority, request.request_id or None)
-            async for chunk in gen:
-                yield ids, chunk
+            try:
+                async for chunk in gen:
+                    yield ids, chunk
+            finally:
+                await gen.aclose()
         except FolioError as e:
+            self.frontend.count_error(e)
             await context.abort(status_of(e), str(e))
+        except Exception as e:
+            self.frontend.count_error(e)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error ({type(e).__name__}): {e}")
 
     async def Generate(self, request, context):
         texts, tokens, reasons, lps = {}, {}, {}, {}
@@ -129,7 +139,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, api_key: str) -> None:
-        self.expected = f"Bearer {api_key}"
+        self.api_key = api_key
 
         async def deny(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid API key is required in the "
@@ -139,7 +149,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation, details):
         if details.method.startswith(OPEN_METHODS):
             return await continuation(details)
-        if dict(details.invocation_metadata or ()).get("authorization") == self.expected:
+        if bearer_ok(self.api_key, dict(details.invocation_metadata or ()).get("authorization")):
             return await continuation(details)
         handler = await continuation(details)
         if handler is None:
@@ -155,6 +165,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
 
 async def start_grpc_server(frontend: Frontend, port: int, host: str = "0.0.0.0") -> grpc.aio.Server:
+    """Serves on host:port only (`folio serve --host`), never on every interface unless told."""
     interceptors = [ApiKeyInterceptor(frontend.cfg.api_key)] if frontend.cfg.api_key else []
     server = grpc.aio.server(interceptors=interceptors)
     pb_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend), server)
@@ -162,7 +173,8 @@ async def start_grpc_server(frontend: Frontend, port: int, host: str = "0.0.0.0"
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                                          reflection.SERVICE_NAME), server)
-    if server.add_insecure_port(f"{host}:{port}") == 0:
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # an IPv6 literal needs brackets
+    if server.add_insecure_port(address) == 0:
         raise RuntimeError(f"cannot bind the gRPC port {port}")
     await server.start()
     for name in ("", SERVICE):

@@ -18,7 +18,9 @@ import time
 import uuid
 from typing import AsyncIterator
 
-from folio.deploy.frontend import Frontend
+from folio.deploy.auth import bearer_ok
+from folio.deploy.frontend import Admission, Frontend
+from folio.deploy.openai_schema import ChatCompletionRequest, CompletionRequest, parse
 from folio.worker.errors import FolioError, InvalidRequestError, OverloadedError, UnavailableError
 from folio.worker.sampling_params import SamplingParams
 
@@ -37,10 +39,11 @@ class HTTPError(Exception):
 
 
 def http_error(e: Exception) -> HTTPError:
+    """Folio's typed errors as their status; anything else is a 500, still in OpenAI's shape."""
     if isinstance(e, HTTPError):
         return e
     if isinstance(e, InvalidRequestError):
-        return HTTPError(400, str(e), "invalid_request_error")
+        return HTTPError(400, str(e), "invalid_request_error", param=getattr(e, "param", None))
     if isinstance(e, OverloadedError):
         return HTTPError(429, str(e), "rate_limit_error", "too_many_requests",
                          headers={"Retry-After": str(RETRY_AFTER_S)})
@@ -48,51 +51,18 @@ def http_error(e: Exception) -> HTTPError:
         return HTTPError(503, str(e), "service_unavailable", "unavailable")
     if isinstance(e, FolioError):
         return HTTPError(500, str(e), "internal_error")
-    raise e
+    return HTTPError(500, f"internal error ({type(e).__name__})", "internal_error")
 
 
 def check_auth(api_key: str | None, authorization: str | None) -> None:
-    if api_key and authorization != f"Bearer {api_key}":
+    if not bearer_ok(api_key, authorization):
         raise HTTPError(401, "a valid API key is required: Authorization: Bearer <key>", "authentication_error",
                         "invalid_api_key")
 
 
 # ---- request parsing ---------------------------------------------------------------------
-_IGNORED_ZERO = ("presence_penalty", "frequency_penalty")
-
-
-def sampling_params(body: dict, default_max_tokens: int | None) -> SamplingParams:
-    for name in _IGNORED_ZERO:
-        if body.get(name) not in (None, 0, 0.0):
-            raise InvalidRequestError(f"{name} is not supported")
-    if body.get("echo"):
-        raise InvalidRequestError("echo is not supported")
-    if body.get("best_of") not in (None, 1, body.get("n", 1)):
-        raise InvalidRequestError("best_of is not supported")
-    logprobs = body.get("logprobs")
-    if isinstance(logprobs, bool):  # chat: logprobs: true, top_logprobs: k
-        logprobs = int(body.get("top_logprobs") or 0) if logprobs else None
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is None:
-        max_tokens = default_max_tokens
-    try:
-        return SamplingParams(
-            n=body.get("n", 1), max_tokens=max_tokens, temperature=float(body.get("temperature", 1.0)),
-            top_p=float(body.get("top_p", 1.0)), top_k=body.get("top_k", 0), min_p=float(body.get("min_p", 0.0)),
-            seed=body.get("seed"), stop=body.get("stop"), stop_token_ids=body.get("stop_token_ids") or [],
-            ignore_eos=bool(body.get("ignore_eos", False)), logprobs=logprobs)
-    except (TypeError, ValueError) as e:
-        if isinstance(e, InvalidRequestError):
-            raise
-        raise InvalidRequestError(f"bad sampling parameter: {e}") from None
-
-
-def completion_prompts(frontend: Frontend, prompt) -> list[list[int]]:
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
-        return [frontend.prompt_ids(prompt)]
-    if isinstance(prompt, list) and prompt:
-        return [frontend.prompt_ids(p) for p in prompt]
-    raise InvalidRequestError("prompt must be a string, a list of strings, or token ids")
+async def completion_prompts(frontend: Frontend, req: CompletionRequest) -> list[list[int]]:
+    return [frontend.token_ids(p) if isinstance(p, list) else await frontend.text_ids(p) for p in req.prompts()]
 
 
 def _top(d: dict, k: int) -> list[tuple[int, float]]:
@@ -123,10 +93,13 @@ def _logprobs_chat(tok, entries: list[dict], k: int) -> dict:
 
 # ---- running ------------------------------------------------------------------------------
 class _Run:
-    """The streams of one API request: one per prompt, each with n completions."""
+    """The streams of one API request: one per prompt, each with n completions; admitted whole
+    (`admission` holds a slot per prompt) and released whole when `events` ends, however it ends."""
 
-    def __init__(self, frontend: Frontend, prompts: list[list[int]], params: SamplingParams, priority: int) -> None:
+    def __init__(self, frontend: Frontend, prompts: list[list[int]], params: SamplingParams, priority: int,
+                 admission: Admission) -> None:
         self.frontend, self.prompts, self.params, self.priority = frontend, prompts, params, priority
+        self.admission = admission
         self.id = uuid.uuid4().hex
         self.usage = {"prompt_tokens": sum(len(p) for p in prompts), "completion_tokens": 0, "total_tokens": 0}
 
@@ -134,7 +107,7 @@ class _Run:
         """(choice index, CompletionDelta) as they come, across all prompts."""
         n = self.params.n
         queue: asyncio.Queue = asyncio.Queue()
-        gens = [self.frontend.generate(p, self.params, self.priority, f"{self.id}-{i}")
+        gens = [self.frontend.generate(p, self.params, self.priority, f"{self.id}-{i}", self.admission)
                 for i, p in enumerate(self.prompts)]
 
         async def pump(i, gen):
@@ -148,18 +121,18 @@ class _Run:
                 await queue.put(e)
             finally:
                 queue.put_nowait(None)
-        # the first prompt's admission error surfaces before anything is sent
-        first = gens[0].__aiter__()
+        tasks: list[asyncio.Task] = []
         try:
-            head = await first.__anext__()
-        except StopAsyncIteration:
-            head = None
-        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens) if i > 0]
-        try:
+            # the first prompt's admission error surfaces before anything is sent
+            try:
+                head = await gens[0].__anext__()
+            except StopAsyncIteration:
+                head = None
+            tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens) if i > 0]
             if head is not None:
                 for d in head.deltas:
                     yield d.index, d
-                tasks.append(asyncio.create_task(pump(0, first)))
+                tasks.append(asyncio.create_task(pump(0, gens[0])))
             open_ = len(tasks)
             while open_:
                 item = await queue.get()
@@ -169,12 +142,15 @@ class _Run:
                     raise item
                 else:
                     yield item
-        finally:  # stop every stream (a client gone aborts all its requests)
+        finally:  # stop every stream (a client gone, or an error, aborts all its requests)
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            for g in [first, *gens[1:]]:
-                await g.aclose()
+            try:
+                for g in gens:
+                    await g.aclose()
+            finally:
+                self.admission.release()
 
     def count(self, d) -> None:
         self.usage["completion_tokens"] += len(d.token_ids)
@@ -183,22 +159,36 @@ class _Run:
 
 async def completions(frontend: Frontend, body: dict):
     """Returns a dict (non-streaming) or an async iterator of SSE byte strings."""
-    params = sampling_params(body, 16)
-    run = _Run(frontend, completion_prompts(frontend, body.get("prompt")), params, int(body.get("priority", 0)))
-    return await _respond(frontend, body, run, chat=False)
+    req = parse(CompletionRequest, body)
+    if req.echo:
+        raise InvalidRequestError("echo is not supported", param="echo")
+    params = req.sampling_params(16)
+    return await _start(frontend, req, await completion_prompts(frontend, req), params, chat=False)
 
 
 async def chat_completions(frontend: Frontend, body: dict):
-    ids = frontend.chat_ids(body.get("messages"))
-    params = sampling_params(body, max(frontend.cfg.max_model_len - len(ids), 1))
-    run = _Run(frontend, [ids], params, int(body.get("priority", 0)))
-    return await _respond(frontend, body, run, chat=True)
+    req = parse(ChatCompletionRequest, body)
+    req.sampling_params(1)  # the cheap checks before the template is rendered
+    ids = await frontend.chat_ids(req.message_dicts())
+    params = req.sampling_params(await frontend.default_max_tokens(len(ids)))
+    return await _start(frontend, req, [ids], params, chat=True)
 
 
-async def _respond(frontend: Frontend, body: dict, run: _Run, chat: bool):
+async def _start(frontend: Frontend, req, prompts: list[list[int]], params: SamplingParams, chat: bool):
+    priority = 0 if req.priority is None else req.priority
+    frontend.check(prompts, params, priority)
+    admission = frontend.admit(len(prompts))
+    try:
+        run = _Run(frontend, prompts, params, priority, admission)
+    except BaseException:
+        admission.release()
+        raise
+    return await _respond(frontend, req, run, chat)
+
+
+async def _respond(frontend: Frontend, req, run: _Run, chat: bool):
     model = frontend.cfg.model_name
     created = int(time.time())
-    tok = frontend.tokenizer
     obj = "chat.completion" if chat else "text_completion"
     rid = ("chatcmpl-" if chat else "cmpl-") + run.id
     events = run.events()
@@ -206,32 +196,42 @@ async def _respond(frontend: Frontend, body: dict, run: _Run, chat: bool):
         first = await events.__anext__()  # admission and validation errors surface here, as a status code
     except StopAsyncIteration:
         first = None
+    except BaseException:
+        await events.aclose()  # (finished already when it raised; released its admission)
+        raise
 
     async def all_events():
-        if first is not None:
-            yield first
-        async for e in events:
-            yield e
+        try:
+            if first is not None:
+                yield first
+            async for e in events:
+                yield e
+        finally:
+            await events.aclose()
 
-    if body.get("stream"):
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return _sse(all_events(), run, rid, obj + (".chunk" if chat else ""), created, model, chat, include_usage, tok)
-    texts: dict[int, list[str]] = {}
-    reasons: dict[int, str] = {}
-    lps: dict[int, list] = {}
-    async for i, d in all_events():
-        run.count(d)
-        texts.setdefault(i, []).append(d.text)
-        if d.logprobs:
-            lps.setdefault(i, []).extend(d.logprobs)
-        if d.finish_reason:
-            reasons[i] = d.finish_reason
+    if req.stream:
+        return _sse(all_events(), run, rid, obj + (".chunk" if chat else ""), created, model, chat,
+                    req.include_usage, frontend)
+    try:
+        texts: dict[int, list[str]] = {}
+        reasons: dict[int, str] = {}
+        lps: dict[int, list] = {}
+        async for i, d in all_events():
+            run.count(d)
+            texts.setdefault(i, []).append(d.text)
+            if d.logprobs:
+                lps.setdefault(i, []).extend(d.logprobs)
+            if d.finish_reason:
+                reasons[i] = d.finish_reason
+    finally:
+        await events.aclose()
     choices = []
     for i in sorted(texts):
         text = "".join(texts[i])
         lp = None
         if run.params.logprobs is not None:
-            lp = (_logprobs_chat if chat else _logprobs_completion)(tok, lps.get(i, []), run.params.logprobs)
+            fmt = _logprobs_chat if chat else _logprobs_completion
+            lp = await frontend.prompts.run(fmt, frontend.tokenizer, lps.get(i, []), run.params.logprobs)
         if chat:
             choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                             "finish_reason": reasons.get(i)})
@@ -240,7 +240,8 @@ async def _respond(frontend: Frontend, body: dict, run: _Run, chat: bool):
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices, "usage": run.usage}
 
 
-async def _sse(events, run, rid, obj, created, model, chat, include_usage, tok) -> AsyncIterator[bytes]:
+async def _sse(events, run, rid, obj, created, model, chat, include_usage, frontend) -> AsyncIterator[bytes]:
+    tok = frontend.tokenizer
     def line(payload) -> bytes:
         return f"data: {json.dumps(payload)}\n\n".encode()
     started: set[int] = set()
@@ -266,8 +267,11 @@ async def _sse(events, run, rid, obj, created, model, chat, include_usage, tok) 
         if include_usage:
             yield line({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
                         "usage": run.usage})
-    except FolioError as e:  # after the first byte the status is sent: report in the stream
+    except Exception as e:  # after the first byte the status is sent: report in the stream
+        frontend.count_error(e)
         yield line(http_error(e).body())
+    finally:
+        await events.aclose()  # a client gone (or an error) aborts every stream of the request
     yield b"data: [DONE]\n\n"
 
 

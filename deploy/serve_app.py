@@ -12,20 +12,65 @@ request gets Folio's 429 / RESOURCE_EXHAUSTED at once rather than waiting in Ser
 
 
 import asyncio
+import json
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from folio.deploy import openai_http as oai
 from folio.deploy.frontend import Frontend, FrontendConfig
 
-api = FastAPI(title="Folio", description="OpenAI-compatible API of a Folio cluster")
+# docs and schema are routes of the deployment below, behind the API key like every route but /health
+api = FastAPI(title="Folio", description="OpenAI-compatible API of a Folio cluster", docs_url=None, redoc_url=None,
+              openapi_url=None)
 
 
 def _error_response(e: Exception) -> JSONResponse:
     err = oai.http_error(e)
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_exception(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    """404 (no such route), 405 (wrong method) in OpenAI's shape."""
+    type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+    return JSONResponse({"error": {"message": f"{request.method} {request.url.path}: {e.detail}", "type": type_,
+                                   "param": None, "code": None}}, status_code=e.status_code,
+                        headers=getattr(e, "headers", None))
+
+
+@api.exception_handler(Exception)
+async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+    """Whatever escaped a handler is still a JSON 500 in OpenAI's shape, never plain text."""
+    return _error_response(e)
+
+
+async def read_json(request: Request, limit: int):
+    """The body as JSON: 413 past `limit` bytes (from Content-Length, and counted while a chunked
+    body arrives), 400 for anything that is not a JSON object (nesting too deep included)."""
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > limit):
+        raise oai.HTTPError(413, f"the body is larger than the limit of {limit} bytes", "invalid_request_error",
+                            "body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise oai.HTTPError(413, f"the body is larger than the limit of {limit} bytes",
+                                "invalid_request_error", "body_too_large")
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks))
+    except RecursionError:
+        raise oai.HTTPError(400, "the body is nested too deeply", "invalid_request_error") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of too many digits
+        raise oai.HTTPError(400, f"the body is not valid JSON: {e}", "invalid_request_error") from None
+    if not isinstance(body, dict):
+        raise oai.HTTPError(400, "the body must be a JSON object", "invalid_request_error")
+    return body
 
 
 @serve.deployment(name="FolioFrontend", ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=100_000)
@@ -35,35 +80,35 @@ class FolioFrontend:
         self.frontend = Frontend(cfg)
         self.grpc = None
         if cfg.grpc_port:
-            from folio.deploy.grpc_server import start_grpc_server
-
             self._grpc_task = asyncio.get_running_loop().create_task(self._start_grpc(cfg.grpc_port))
+        self.metrics_server = None
         if cfg.metrics_port:
-            from prometheus_client import start_http_server
+            from folio.deploy.metrics_port import start_metrics_server
 
-            start_http_server(cfg.metrics_port, registry=self.frontend.metrics.registry)
+            self.metrics_server = start_metrics_server(self.frontend.metrics.registry, cfg.metrics_port, cfg.host,
+                                                       cfg.api_key)
 
     async def _start_grpc(self, port: int) -> None:
         from folio.deploy.grpc_server import start_grpc_server
 
-        self.grpc = await start_grpc_server(self.frontend, port)
+        self.grpc = await start_grpc_server(self.frontend, port, self.frontend.cfg.host)
 
     async def check_health(self) -> None:
         """Serve's replica health check: the gRPC server must be up when one was asked for."""
         if self.frontend.cfg.grpc_port and self._grpc_task.done() and self._grpc_task.exception():
             raise self._grpc_task.exception()
 
+    def _auth(self, request: Request) -> None:
+        oai.check_auth(self.frontend.cfg.api_key, request.headers.get("authorization"))
+
     async def _handle(self, request: Request, handler):
         try:
-            oai.check_auth(self.frontend.cfg.api_key, request.headers.get("authorization"))
-            try:
-                body = await request.json()
-            except ValueError:
-                raise oai.HTTPError(400, "the body is not valid JSON", "invalid_request_error") from None
-            if not isinstance(body, dict):
-                raise oai.HTTPError(400, "the body must be a JSON object", "invalid_request_error")
+            self._auth(request)
+            body = await read_json(request, self.frontend.cfg.max_body_bytes)
             result = await handler(self.frontend, body)
-        except Exception as e:  # typed errors become their status; anything else is a 500 from FastAPI
+        except Exception as e:  # typed errors become their status; anything else a JSON 500
+            if not isinstance(e, oai.HTTPError) or e.status != 401:
+                self.frontend.count_error(e)
             return _error_response(e)
         if isinstance(result, dict):
             return JSONResponse(result)
@@ -80,7 +125,7 @@ class FolioFrontend:
     @api.get("/v1/models")
     async def models(self, request: Request):
         try:
-            oai.check_auth(self.frontend.cfg.api_key, request.headers.get("authorization"))
+            self._auth(request)
         except oai.HTTPError as e:
             return _error_response(e)
         return JSONResponse(oai.models(self.frontend))
@@ -99,9 +144,29 @@ class FolioFrontend:
         return JSONResponse({"status": "ok", "workers": len(loads)})
 
     @api.get("/metrics")
-    async def metrics(self):
+    async def metrics(self, request: Request):
+        try:
+            self._auth(request)
+        except oai.HTTPError as e:
+            return _error_response(e)
         body = await asyncio.to_thread(self.frontend.metrics.render)
         return PlainTextResponse(body, media_type="text/plain; version=0.0.4")
+
+    @api.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, request: Request):
+        try:
+            self._auth(request)
+        except oai.HTTPError as e:
+            return _error_response(e)
+        return JSONResponse(api.openapi())
+
+    @api.get("/docs", include_in_schema=False)
+    async def docs(self, request: Request):
+        try:
+            self._auth(request)
+        except oai.HTTPError as e:
+            return _error_response(e)
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="Folio")
 
 
 def build_app(cfg: FrontendConfig):

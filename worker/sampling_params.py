@@ -48,14 +48,14 @@ def check_priority(priority) -> int:
     """A request's priority (lower runs first): an integer in [PRIORITY_MIN, PRIORITY_MAX]."""
     if not _is_int(priority) or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
         raise InvalidRequestError(f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], "
-                                  f"got {priority!r}")
+                                  f"got {priority!r}", param="priority")
     return priority
 
 
-def check_token_ids(ids, vocab_size: int, what: str = "prompt token ids") -> list[int]:
+def check_token_ids(ids, vocab_size: int, what: str = "prompt token ids", param: str = "prompt") -> list[int]:
     """Token ids as the model can embed them: integers in [0, vocab_size)."""
     if not isinstance(ids, (list, tuple)) or any(not _is_int(t) or not 0 <= t < vocab_size for t in ids):
-        raise InvalidRequestError(f"{what} must be integers in [0, {vocab_size})")
+        raise InvalidRequestError(f"{what} must be integers in [0, {vocab_size})", param=param)
     return list(ids)
 
 
@@ -80,9 +80,9 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple, type(None))):
-            raise InvalidRequestError("stop must be a string or a list of strings")
+            raise InvalidRequestError("stop must be a string or a list of strings", param="stop")
         if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
-            raise InvalidRequestError("stop_token_ids must be a list of integers")
+            raise InvalidRequestError("stop_token_ids must be a list of integers", param="stop_token_ids")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
@@ -93,7 +93,7 @@ class SamplingParams:
 
     def _check(self) -> None:
         def bad(msg: str) -> None:
-            raise InvalidRequestError(msg)
+            raise InvalidRequestError(msg, param=msg.split()[0])  # each message starts with its field
 
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             bad(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
@@ -111,7 +111,7 @@ class SamplingParams:
             bad(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         if len(self.stop) > MAX_STOP or any(not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS
                                             for s in self.stop):
-            bad(f"stop strings must be at most {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters")
+            bad(f"stop must be at most {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters")
         if len(self.stop_token_ids) > MAX_STOP or any(not _is_int(t) or not 0 <= t < MAX_TOKEN_ID
                                                       for t in self.stop_token_ids):
             bad(f"stop_token_ids must be at most {MAX_STOP} non-negative integers")

@@ -1,0 +1,128 @@
+"""Request text to token ids, for both frontends, off the event loop.
+
+    p = Prompts(model_dir, max_model_len, vocab_size)
+    ids = await p.text_ids("def f():")            # or p.token_ids([1, 2, 3]) (checked, no tokenizer)
+    ids = await p.chat_ids([{"role": "user", "content": "hi"}])
+
+Tokenizing runs in a small thread pool (the Rust tokenizer releases the GIL), so one
+large prompt does not stall /health or other requests on the frontend's event loop.
+A text so long that it cannot fit in `max_model_len` tokens, whatever it tokenizes to,
+is refused before it is tokenized at all: no token is longer than `max_token_chars`
+characters, so a text of more than `max_model_len * max_token_chars` characters has at
+least `max_model_len` tokens.
+
+Chat: special tokens typed inside message content are text, never role markers. The
+template is rendered with a sentinel in place of each content; the template's own text
+is tokenized with special tokens parsed, each content with them split
+(`split_special_tokens=True`), and the pieces are joined. For contents free of special
+tokens the ids equal `apply_chat_template(tokenize=True)`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import secrets
+from concurrent.futures import ThreadPoolExecutor
+
+from folio.worker.errors import InvalidRequestError
+from folio.worker.sampling_params import check_token_ids
+
+TOKENIZER_THREADS = 2
+
+
+def plain_chat_prompt(messages: list[dict]) -> str:
+    """For tokenizers without a chat template: one `role: content` line per message."""
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+
+class Prompts:
+    def __init__(self, model_dir: str, max_model_len: int, vocab_size: int | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size or len(self.tokenizer)
+        self.max_token_chars = max([len(t) for t in self.tokenizer.get_vocab()] + [1])
+        self._special = [t for t in self.tokenizer.all_special_tokens + list(self.tokenizer.added_tokens_encoder)
+                         if t]
+        self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="folio-tokenize")
+
+    async def run(self, fn, *args):
+        """fn(*args) on the tokenizer threads."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    # ---- checks ------------------------------------------------------------------------
+    def check_length(self, n_chars: int) -> None:
+        if n_chars > self.max_model_len * self.max_token_chars:
+            raise InvalidRequestError(f"the prompt has {n_chars} characters: more than max_model_len "
+                                      f"({self.max_model_len}) tokens whatever it tokenizes to")
+
+    def token_ids(self, ids: list[int]) -> list[int]:
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        return check_token_ids(ids, self.vocab_size)
+
+    # ---- text --------------------------------------------------------------------------
+    async def text_ids(self, text: str) -> list[int]:
+        if not text:
+            raise InvalidRequestError("the prompt is empty")
+        self.check_length(len(text))
+        ids = await self.run(self._encode, text, True, False)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        return ids
+
+    def _encode(self, text: str, add_special: bool, split_special: bool) -> list[int]:
+        try:
+            return self.tokenizer(text, add_special_tokens=add_special, split_special_tokens=split_special).input_ids
+        except (TypeError, ValueError) as e:  # e.g. a lone UTF-16 surrogate, which UTF-8 cannot hold
+            raise InvalidRequestError(f"the prompt cannot be tokenized: {type(e).__name__}") from None
+
+    # ---- chat --------------------------------------------------------------------------
+    async def chat_ids(self, messages: list[dict]) -> list[int]:
+        if not messages:
+            raise InvalidRequestError("messages must be a non-empty list")
+        self.check_length(sum(len(m["content"]) for m in messages))
+        ids = await self.run(self._chat, messages)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        return ids
+
+    def _chat(self, messages: list[dict]) -> list[int]:
+        tok = self.tokenizer
+        if not getattr(tok, "chat_template", None):
+            return self._encode(plain_chat_prompt(messages), True, True)
+        nonce = secrets.token_hex(8)
+        marks = [f"\x00{nonce}:{i}\x00" for i in range(len(messages))]
+        rendered = self._render([{**m, "content": mark} for m, mark in zip(messages, marks)])
+        pieces = re.split("\x00" + nonce + r":(\d+)\x00", rendered)
+        # pieces: text, index, text, index, ..., text; each sentinel exactly once and in order
+        if [int(i) for i in pieces[1::2]] != list(range(len(messages))):
+            return self._chat_unsplit(messages)
+        ids: list[int] = []
+        for k, piece in enumerate(pieces):
+            if k % 2:
+                ids += self._encode(messages[int(piece)]["content"], False, True)
+            elif piece:
+                ids += self._encode(piece, False, False)
+        return ids
+
+    def _chat_unsplit(self, messages: list[dict]) -> list[int]:
+        """A template that does not put each content in verbatim: tokenize it whole, and refuse
+        contents that would become special tokens."""
+        for m in messages:
+            if any(s in m["content"] for s in self._special):
+                raise InvalidRequestError("message content contains a special token's text, which this "
+                                          "model's chat template cannot keep apart from its markers")
+        return self._encode(self._render(messages), False, False)
+
+    def _render(self, messages: list[dict]) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # the template itself raised (a jinja error on these messages)
+            raise InvalidRequestError(f"the chat template cannot render these messages: {e}") from None
+
+    # ---- text of token ids (logprobs) ---------------------------------------------------
+    def decode_each(self, ids: list[int]) -> list[str]:
+        return [self.tokenizer.decode([t]) for t in ids]
