@@ -39,7 +39,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                         "a layer's blocks contiguous (faster CPU attention gathers)")
     p.add_argument("--worker-num-cpus", type=float, default=0.5)
     p.add_argument("--grace-period-s", type=float, default=30.0, help="drain time on SIGINT/SIGTERM")
-    p.add_argument("--host", default="0.0.0.0", help="address the HTTP and gRPC servers listen on")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address everything started here listens on: HTTP, gRPC, metrics and a Ray started "
+                        "here (loopback by default; 0.0.0.0 for every interface, as in the Helm chart)")
     p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API (0: off)")
     p.add_argument("--grpc-port", type=int, default=50051, help="gRPC API (0: off)")
     p.add_argument("--metrics-port", type=int, default=0, help="a separate Prometheus port (0: only /metrics)")
@@ -48,6 +50,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-num-requests", type=int, default=256,
                    help="requests in flight per frontend replica; more get 429 / RESOURCE_EXHAUSTED")
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-body-bytes", type=int, default=8 * 2**20,
+                   help="the largest HTTP request body accepted; a larger one gets 413")
     return p
 
 
@@ -59,8 +63,8 @@ def cluster_config(args):
                   max_num_seqs=args.max_num_seqs, dtype=args.dtype, preemption_mode=args.preemption_mode,
                   swap_space_gb=args.swap_space_gb, kv_cache_layout=args.kv_cache_layout)
     return ClusterConfig(model=args.model, num_workers=args.num_workers, redis_url=args.redis_url,
-                         router=args.router, address=args.address, namespace=args.namespace, engine=engine,
-                         worker_num_cpus=args.worker_num_cpus)
+                         router=args.router, address=args.address, host=args.host, namespace=args.namespace,
+                         engine=engine, worker_num_cpus=args.worker_num_cpus)
 
 
 def serve(args) -> int:
@@ -89,8 +93,7 @@ def serve(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own handlers
         signal.signal(sig, lambda *_: stop.set())
     print(f"folio serve: ready in {time.monotonic() - t0:.1f} s: {args.num_workers} workers, router "
-          f"{args.router}, redis {cluster.redis_url}" + (" (embedded)" if cluster.redis else "") + frontends,
-          flush=True)
+          f"{args.router}, redis {redis_description(cluster)}" + frontends, flush=True)
     try:
         while not stop.wait(0.5):
             pass
@@ -104,6 +107,21 @@ def serve(args) -> int:
         cluster.shutdown(grace_s=0)
         print("folio serve: stopped", flush=True)
     return 0
+
+
+def redis_description(cluster) -> str:
+    """The Redis URL without its password, for the ready line. The embedded server's full
+    URL goes to a file only this user can read (its directory is 0700, the file 0600),
+    removed with the server: clients on this machine (tests, `folio drain`) read it there."""
+    from folio.cluster.state import redact_url
+
+    if cluster.redis is None:
+        return redact_url(cluster.redis_url)
+    path = os.path.join(cluster.redis.dir, "url")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(cluster.redis_url + "\n")
+    return f"{cluster.redis.redacted_url} (embedded; URL with its password in {path})"
 
 
 def frontend_config(args, cluster):
@@ -120,7 +138,8 @@ def frontend_config(args, cluster):
                           block_size=engine.block_size, num_workers=cfg.num_workers,
                           max_num_requests=args.max_num_requests, api_key=args.api_key,
                           served_model_name=args.served_model_name, grpc_port=args.grpc_port or None,
-                          metrics_port=args.metrics_port or None)
+                          metrics_port=args.metrics_port or None, host=args.host, max_num_seqs=args.max_num_seqs,
+                          max_body_bytes=args.max_body_bytes)
 
 
 def start_frontends(args, cluster) -> str:
