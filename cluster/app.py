@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ class ClusterConfig:
     redis_url: str | None = None  # None: an embedded Redis server owned by the cluster
     router: str = "least-loaded"
     address: str | None = None  # join this Ray cluster instead of starting one
+    host: str = "127.0.0.1"  # what a Ray started here binds to (bind_ray_to); the embedded Redis is loopback
     namespace: str = "folio"  # Redis key prefix and actor-name prefix
     engine: dict = field(default_factory=dict)  # EngineConfig fields for every worker
     worker_num_cpus: float = 0.5  # fractional: several workers share this machine's cores
@@ -53,6 +55,37 @@ class ClusterConfig:
             raise ConfigError("num_workers must be >= 1")
         EngineConfig(model=self.model, **self.engine)  # checks the engine fields up front
         ModelConfig.from_dir(self.model)  # and that the checkpoint is there (ModelLoadError)
+
+
+def bind_ray_to(host: str) -> dict:
+    """ray.init options so that a Ray started here listens only where `folio serve` was told.
+
+    Ray 2.60's servers (GCS, raylet and object manager, every worker's core-worker gRPC
+    port, the dashboard and runtime-env agents) bind to 127.0.0.1 when the node's IP is
+    127.0.0.1 and to every interface otherwise; there is no finer bind option. ray.init
+    turns a loopback `_node_ip_address` into the machine's routable IP unless Ray is in
+    its single-machine mode (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, the default on macOS
+    and Windows), so a loopback --host selects that mode; it is a single-machine cluster
+    anyway. Another specific --host is the IP Ray advertises (its servers still listen on
+    all interfaces); 0.0.0.0 / :: leave Ray's defaults.
+    """
+    import ipaddress
+
+    if host == "localhost":
+        host = "127.0.0.1"
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:  # a name: resolved by Ray as the node address
+        return {"_node_ip_address": host}
+    if ip.is_unspecified:
+        return {}
+    if ip.is_loopback:
+        from ray._private import ray_constants
+
+        os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"  # Ray's child processes
+        ray_constants.ENABLE_RAY_CLUSTER = False  # read by ray.init's address resolution
+        return {"_node_ip_address": "127.0.0.1"}
+    return {"_node_ip_address": host}
 
 
 def make_engine(config: EngineConfig, torch_threads: int | None):
@@ -78,6 +111,7 @@ class FolioCluster:
         self.router: Router | None = None
         self.state: ClusterState | None = None
         self._started_ray = False
+        self._ray_temp_dir: str | None = None  # removed on shutdown
 
     # ---- start ------------------------------------------------------------------------
     def start(self) -> "FolioCluster":
@@ -88,12 +122,13 @@ class FolioCluster:
             if cfg.address:
                 ray.init(address=cfg.address, namespace=cfg.namespace, log_to_driver=False)
             else:
+                self._ray_temp_dir = tempfile.mkdtemp(prefix="folio-ray-", dir="/tmp")
                 ray.init(num_gpus=cfg.num_workers, num_cpus=max(os.cpu_count() or 1, 2), namespace=cfg.namespace,
-                         include_dashboard=False, log_to_driver=False,
-                         _temp_dir=tempfile.mkdtemp(prefix="folio-ray-", dir="/tmp"))
+                         include_dashboard=False, log_to_driver=False, _temp_dir=self._ray_temp_dir,
+                         **bind_ray_to(cfg.host))
             self._started_ray = True
         if self.redis_url is None:
-            self.redis = EmbeddedRedis().start()
+            self.redis = EmbeddedRedis().start(supervise=True)  # restarted if it dies
             self.redis_url = self.redis.url
         self.state = ClusterState(self.redis_url, cfg.namespace)
         threads = cfg.torch_threads or max((os.cpu_count() or 1) // cfg.num_workers, 1)
@@ -186,3 +221,6 @@ class FolioCluster:
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+        if self._ray_temp_dir is not None:  # Ray's session logs and sockets: nothing outlives a clean exit
+            shutil.rmtree(self._ray_temp_dir, ignore_errors=True)
+            self._ray_temp_dir = None

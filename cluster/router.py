@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections import defaultdict
@@ -29,6 +30,7 @@ from folio.worker.hashing import DEFAULT_HASH_SEED, hash_full_blocks
 from folio.worker.messages import GenerateRequest, StreamChunk, WorkerLoad
 
 DEAD_HOLD_S = 5.0  # a worker seen dying is skipped this long, whatever Redis still says
+log = logging.getLogger("folio.router")
 
 
 class Router:
@@ -51,6 +53,7 @@ class Router:
         self._sent: dict[str, list[tuple[float, int]]] = defaultdict(list)  # wid -> (time.time(), tokens)
         self._dead: dict[str, float] = {}  # wid -> monotonic time it was seen dying
         self._where: dict[str, str] = {}  # request id -> worker streaming it
+        self.state_error: str | None = None  # why the cluster state is unreachable, while it is
         self.decisions = 0
         self.decision_seconds: list[float] = []  # time spent per routing decision (benchmarks)
 
@@ -74,11 +77,41 @@ class Router:
     async def _refresh(self) -> None:
         try:
             loads = await self.state.alive_loads()
-        except Exception:  # Redis away: keep routing on the last figures until it is back
+        except Exception as e:  # Redis away: keep routing on the last figures until it is back
+            self._state_failed(e)
             if not self._loads_at:
                 raise UnavailableError("the cluster state (Redis) is unreachable") from None
             return
+        self._state_ok()
         self._loads, self._loads_at = loads, time.monotonic()
+
+    # ---- degraded mode: the cluster state (Redis) unreachable ---------------------------
+    # Routing goes on with the last known loads (plus what was sent since), load-only: a
+    # prefix lookup that fails counts as no match. `degraded` says so (/health, metrics).
+    @property
+    def degraded(self) -> bool:
+        return self.state_error is not None
+
+    def _state_failed(self, e: Exception) -> None:
+        if self.state_error is None:
+            log.warning("cluster state unreachable, routing on the last known loads: %s", e)
+        self.state_error = f"cluster state unreachable: {type(e).__name__}: {e}"
+
+    def _state_ok(self) -> None:
+        if self.state_error is not None:
+            log.warning("cluster state reachable again")
+        self.state_error = None
+
+    async def _prefix_matches(self, worker_ids: list[str], hashes: list[bytes]) -> dict[str, int]:
+        if not hashes:
+            return {}
+        try:
+            matches = await self.state.aprefix_matches(worker_ids, hashes)
+        except Exception as e:
+            self._state_failed(e)
+            return {}
+        self._state_ok()
+        return matches
 
     def mark_dead(self, wid: str) -> None:
         self._dead[wid] = time.monotonic()
@@ -112,7 +145,7 @@ class Router:
         else:
             block_size = cands[0].block_size
             hashes = hash_full_blocks(req.prompt_token_ids, block_size, self.hash_seed)
-            matches = await self.state.aprefix_matches([c.worker_id for c in cands], hashes) if hashes else {}
+            matches = await self._prefix_matches([c.worker_id for c in cands], hashes)
             wid = prefix_aware(cands, matches, self.imbalance)
         # work sent there until its next heartbeat shows it: the prompt, less any cached prefix
         cached = matches.get(wid, 0) * cands[0].block_size

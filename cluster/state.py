@@ -51,6 +51,18 @@ def _password() -> dict:
     return {"password": pw} if pw else {}
 
 
+def redact_url(url: str) -> str:
+    """A Redis URL fit for logs: any password replaced by ****."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{user}:****@{host}"))
+
+
 def connect(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, socket_timeout=0.5, socket_connect_timeout=0.5, retry_on_timeout=False,
                                 **_password())

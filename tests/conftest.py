@@ -96,6 +96,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def redis_url_of(ready_line: str) -> str:
+    """The Redis URL from `folio serve`'s ready line: an embedded server's URL (with its
+    password) is in the 0600 file the line names; the line itself shows it redacted."""
+    import re
+
+    m = re.search(r"redis (redis://\S+)(?: \(embedded; URL with its password in (\S+)\))?", ready_line)
+    if m.group(2) is None:
+        return m.group(1)
+    with open(m.group(2)) as f:
+        return f.read().strip()
+
+
 @pytest.fixture(scope="session")
 def folio_server(model_dirs):
     """`folio serve` as a user runs it: two workers on the tiny Llama, API key on, admission
@@ -119,9 +131,9 @@ def folio_server(model_dirs):
     while not any("folio serve: ready" in line for line in lines):
         assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
         lines.append(proc.stdout.readline())
-    redis_url = re.search(r"redis (redis://\S+)", lines[-1]).group(1)
-    yield {"http": f"http://127.0.0.1:{http}", "grpc": f"127.0.0.1:{grpc_port}", "redis": redis_url,
-           "model": model_dirs["llama"], "metrics": f"http://127.0.0.1:{metrics_port}"}
+    yield {"http": f"http://127.0.0.1:{http}", "grpc": f"127.0.0.1:{grpc_port}", "redis": redis_url_of(lines[-1]),
+           "model": model_dirs["llama"], "metrics": f"http://127.0.0.1:{metrics_port}", "pid": proc.pid,
+           "ready": lines[-1]}
     proc.send_signal(signal.SIGTERM)
     try:
         proc.communicate(timeout=60)

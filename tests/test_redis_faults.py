@@ -1,0 +1,148 @@
+"""The embedded Redis: password, binds, supervision; the cluster state across its death.
+
+Real redis-server processes, killed with SIGKILL by their PID (never by name).
+"""
+
+import asyncio
+import os
+import signal
+import time
+
+import psutil
+import pytest
+import redis
+
+from folio.cluster.redis_server import EmbeddedRedis
+from folio.cluster.router import Router
+from folio.cluster.state import ClusterState, WorkerPublisher
+from folio.cluster.worker_client import LocalWorkerClient
+from folio.worker.errors import UnavailableError
+from folio.worker.hashing import hash_full_blocks
+from folio.worker.messages import GenerateRequest, WorkerLoad
+from folio.worker.sampling_params import SamplingParams
+
+RESTART_BOUND_S = 5.0
+
+
+def load(wid, free=10):
+    return WorkerLoad(wid, time.time(), 32, free, 64, 60, 16, 0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, False, [])
+
+
+def wait_for(pred, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if pred():
+                return
+        except redis.RedisError:
+            pass
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_a_client_without_the_password_is_refused():
+    with EmbeddedRedis() as server:
+        assert server.password and server.password in server.url and server.password not in server.redacted_url
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(host="127.0.0.1", port=server.port).ping()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(host="127.0.0.1", port=server.port, password="wrong" + server.password).ping()
+        assert redis.Redis.from_url(server.url).ping()
+        proc = psutil.Process(server.proc.pid)
+        assert server.password not in " ".join(proc.cmdline())  # not visible to `ps`
+        listening = {c.laddr for c in proc.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+        assert {a.ip for a in listening} == {"127.0.0.1"}, listening
+        assert redis.Redis.from_url(server.url).config_get("protected-mode") == {"protected-mode": "yes"}
+
+
+def test_two_servers_get_different_passwords():
+    a, b = EmbeddedRedis(), EmbeddedRedis()
+    assert a.password != b.password and len(a.password) >= 24
+
+
+def test_the_directory_is_removed_on_stop():
+    server = EmbeddedRedis().start()
+    d = server.dir
+    assert os.path.isdir(d) and (os.stat(d).st_mode & 0o077) == 0  # private to this user
+    server.stop()
+    assert not os.path.exists(d)
+
+
+@pytest.mark.parametrize("rounds", [3])
+def test_the_supervisor_restarts_a_killed_server_on_the_same_port_and_password(rounds):
+    server = EmbeddedRedis().start(supervise=True)
+    try:
+        client = redis.Redis.from_url(server.url, socket_timeout=0.5, socket_connect_timeout=0.5)
+        for i in range(rounds):
+            client.set("k", i)
+            pid = server.proc.pid
+            t0 = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            wait_for(lambda: client.ping() and server.proc.pid != pid, RESTART_BOUND_S, "the restarted redis")
+            back_s = time.monotonic() - t0
+            assert back_s < RESTART_BOUND_S
+            assert client.get("k") is None  # a new, empty server (soft state)
+            with pytest.raises(redis.AuthenticationError):
+                redis.Redis(host="127.0.0.1", port=server.port).ping()
+            print(f"redis back {back_s:.3f} s after SIGKILL")
+        assert server.restarts == rounds
+    finally:
+        server.stop()
+    assert server.proc is None and server.restarts == rounds  # a stopped server is not restarted
+
+
+def test_a_publisher_resends_its_whole_prefix_set_after_a_restart():
+    """The epoch key: a Redis restart between two heartbeats that both succeed (no error
+    seen by the publisher) still makes the next heartbeat send everything again."""
+    with EmbeddedRedis() as server:
+        pub = WorkerPublisher(server.url, "rs")
+        state = ClusterState(server.url, "rs")
+        hashes = hash_full_blocks(list(range(64)), 16)
+        pub.publish(load("w0"), set(hashes))
+        server.restart()
+        pub.publish(load("w0"), set(hashes))  # unchanged set: a diff would send nothing
+        assert state.prefix_matches(["w0"], hashes) == {"w0": 4}
+        assert sorted(state.live_loads()) == ["w0"]
+
+
+class _NoWorkers(LocalWorkerClient):
+    def __init__(self):
+        super().__init__({})
+
+
+def _pick(router, prompt):
+    return asyncio.run(router.pick(GenerateRequest("r", prompt, SamplingParams(max_tokens=1))))
+
+
+def test_the_router_degrades_to_least_loaded_while_redis_is_away():
+    """Prefix-aware routing with Redis gone: the last known loads, least-loaded, never a
+    raw Redis error; Redis back: prefix-aware again."""
+    server = EmbeddedRedis().start(supervise=True)
+    try:
+        pub = WorkerPublisher(server.url, "deg")
+        prompt = list(range(64))
+        hashes = hash_full_blocks(prompt, 16)
+        pub.publish(load("a", free=5), set(hashes))  # a holds the prefix but is busier
+        pub.publish(load("b", free=10), set())
+        router = Router(ClusterState(server.url, "deg"), _NoWorkers(), "prefix-aware", imbalance=0.5)
+        assert _pick(router, prompt) == "a" and router.state_error is None
+        server._stop.set()  # no supervisor for a moment: Redis stays away
+        server._supervisor.join()
+        os.kill(server.proc.pid, signal.SIGKILL)
+        server.proc.wait()
+        router.refresh_s = 0.0
+        assert _pick(router, prompt) == "b"  # load-only: the least-loaded worker
+        for _ in range(20):
+            assert _pick(router, prompt) in ("a", "b")
+        assert router.state_error is not None  # degraded, and says so
+        assert router.degraded
+        fresh = Router(ClusterState(server.url, "deg"), _NoWorkers(), "prefix-aware")
+        with pytest.raises(UnavailableError):  # no loads ever known: 503, not a Redis error
+            _pick(fresh, prompt)
+        server.start(supervise=True)  # back (empty): heartbeats rebuild it
+        pub.publish(load("a", free=5), set(hashes))
+        pub.publish(load("b", free=10), set())
+        wait_for(lambda: _pick(router, prompt) == "a" and not router.degraded, RESTART_BOUND_S,
+                 "prefix-aware routing again")
+    finally:
+        server.stop()
