@@ -22,6 +22,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from folio.deploy import openai_http as oai
 from folio.deploy.frontend import Frontend, FrontendConfig
+from folio.deploy.serve_binds import narrow_replica_grpc_bind
+
+narrow_replica_grpc_bind()  # Serve's inter-deployment gRPC port: loopback when the node is (serve_binds.py)
 
 # docs and schema are routes of the deployment below, behind the API key like every route but /health
 api = FastAPI(title="Folio", description="OpenAI-compatible API of a Folio cluster", docs_url=None, redoc_url=None,
