@@ -3,7 +3,12 @@
     WorkerClient.generate(wid, req)   async iterator of StreamChunk
     WorkerClient.attach(wid, rid)     async iterator of StreamChunk (after a migration)
     WorkerClient.abort(wid, rid)      -> bool
-    WorkerClient.move(src, dst, rid, preempt)   export on src, import on dst
+    WorkerClient.move(src, dst, rid, preempt)   export on src, import on dst, then announce
+
+A move is settled in this order, so that a refusal never stalls the client's stream:
+export on src (the request leaves its engine; its stream stays open), import on dst,
+and only then src ends the stream with `migrated_to=dst` (finish_migration). If dst
+refuses or dies, src takes the request back on the same stream (cancel_migration).
 
 Errors come out as Folio's own: InvalidRequestError from the worker as is, a dead
 worker as WorkerDiedError (an UnavailableError).
@@ -110,18 +115,10 @@ class RayWorkerClient:
         return await self._call(wid, "abort", request_id)
 
     async def move(self, src: str, dst: str, request_id: str, preempt: tuple[str, ...] = ()) -> None:
-        """Export on `src` and import on `dst`; the state goes through the object store
-        (the ObjectRef is passed on, never fetched here). If `dst` refuses it, it goes
-        back to `src` so the request is not lost."""
+        """Export on `src`, import on `dst`, then announce (module docstring); the state goes
+        through the object store (the ObjectRef is passed on, never fetched here)."""
         state_ref = self.handle(src).export_request.remote(request_id, dst)
-        try:
-            await self._call_ref(dst, "import_request", state_ref, list(preempt))
-        except FolioError:
-            await self._call_ref(src, "import_request", state_ref, [])
-            raise
-
-    async def _call_ref(self, wid: str, method: str, *args):
-        return await self._call(wid, method, *args)
+        await _settle(self._call, src, dst, request_id, state_ref, preempt)
 
 
 class LocalWorkerClient:
@@ -147,11 +144,21 @@ class LocalWorkerClient:
 
     async def move(self, src: str, dst: str, request_id: str, preempt: tuple[str, ...] = ()) -> None:
         state = await self._w(src).export_request(request_id, dst)
-        try:
-            await self._w(dst).import_request(state, list(preempt))
-        except FolioError:
-            await self._w(src).import_request(state, [])
-            raise
+        await _settle(self._call, src, dst, request_id, state, preempt)
+
+    async def _call(self, wid: str, method: str, *args):
+        return await getattr(self._w(wid), method)(*args)
+
+
+async def _settle(call, src: str, dst: str, request_id: str, state, preempt) -> None:
+    """Import on `dst`, then have `src` announce the move; on a refusal `src` resumes it."""
+    try:
+        await call(dst, "import_request", state, list(preempt))
+    except FolioError:
+        await call(src, "cancel_migration", request_id)
+        raise
+    if not await call(src, "finish_migration", request_id, dst):
+        await call(dst, "drop_import", request_id)  # its reader left meanwhile (or the move expired)
 
 
 def _unwrap(e) -> BaseException:

@@ -22,17 +22,22 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import itertools
+import logging
+import os
 import queue
 import threading
 import time
 import traceback
 from typing import Any, AsyncIterator, Callable, Protocol
 
-from folio.worker.errors import InvalidRequestError, UnavailableError, WorkerFailedError
+from folio.worker.errors import InvalidRequestError, RequestFailedError, UnavailableError, WorkerFailedError
 from folio.worker.messages import (CompletionDelta, GenerateRequest, RequestSummary, StreamChunk, WorkerLoad,
                                    merge_chunks)
 
 ATTACH_TIMEOUT_S = 10.0  # how long attach() waits for a migrated request to be imported
+MOVE_TIMEOUT_S = 60.0  # an export neither confirmed nor refused by then resumes here (its mover died)
+log = logging.getLogger("folio.worker")
 
 
 class LoadPublisher(Protocol):
@@ -52,8 +57,16 @@ def _mono_from_wall(t: float) -> float:
 
 class EngineWorker:
     def __init__(self, worker_id: str, engine_factory: Callable[[], Any],
-                 publisher_factory: Callable[[], LoadPublisher] | None = None, heartbeat_s: float = 0.1) -> None:
+                 publisher_factory: Callable[[], LoadPublisher] | None = None, heartbeat_s: float = 0.1,
+                 exit_on_failure_s: float | None = None) -> None:
+        """`exit_on_failure_s`: once the engine fails (a fault no request explains), exit the
+        process after this long (its requests' errors go out first) so that the cluster
+        restarts the worker (Ray's max_restarts); None (in-process use): stay, refusing work."""
         self.worker_id = worker_id
+        self.exit_on_failure_s = exit_on_failure_s
+        self._moving: dict[str, tuple] = {}  # exported, not yet settled: rid -> (destination, state, move id)
+        self._move_ids = itertools.count()
+        self._arrivals: dict[str, list[asyncio.Event]] = {}  # attach() waiting for an import: rid -> events
         self.engine = engine_factory()
         self.heartbeat_s = heartbeat_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -103,11 +116,23 @@ class EngineWorker:
     async def attach(self, request_id: str) -> AsyncIterator[StreamChunk]:
         """The stream of a request imported here by a migration (waits for the import)."""
         self._loop = asyncio.get_running_loop()
-        deadline = time.monotonic() + ATTACH_TIMEOUT_S
-        while request_id not in self._streams:
-            if time.monotonic() > deadline or self.failed:
-                raise UnavailableError(f"request {request_id!r} never arrived on worker {self.worker_id}")
-            await asyncio.sleep(0.005)
+        if request_id not in self._streams and not self.failed:
+            # a move announces itself only after the import here (see export_request), so this
+            # waits only for a reader that raced ahead; woken by the import or a failure
+            ev = asyncio.Event()
+            self._arrivals.setdefault(request_id, []).append(ev)
+            try:
+                await asyncio.wait_for(ev.wait(), ATTACH_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                waiting = self._arrivals.get(request_id, [])
+                if ev in waiting:
+                    waiting.remove(ev)
+                if not waiting:
+                    self._arrivals.pop(request_id, None)
+        if request_id not in self._streams or self.failed:
+            raise UnavailableError(f"request {request_id!r} never arrived on worker {self.worker_id}")
         async for chunk in self._drain_stream(request_id):
             yield chunk
 
@@ -146,10 +171,52 @@ class EngineWorker:
         return await self._call(lambda e: self._abort(request_id))
 
     async def export_request(self, request_id: str, destination: str):
-        """Take a request off this worker (its KV to CPU tensors) for `destination`: the
-        request's stream here ends with `migrated_to=destination`. Returns the RequestState."""
+        """Take a request off this worker (its KV to CPU tensors) for `destination`; returns
+        the RequestState. The move is then settled by its mover: `finish_migration` once
+        `destination` imported it (the stream here ends with `migrated_to`), or
+        `cancel_migration` if it refused (the request resumes here; its stream never
+        stalled on the refusal). Unsettled after MOVE_TIMEOUT_S, it resumes here."""
         self._loop = asyncio.get_running_loop()
-        return await self._call(lambda e: self._export(request_id, destination))
+        state = await self._call(lambda e: self._export(request_id, destination))
+        token = self._moving[request_id][2]
+        self._loop.call_later(MOVE_TIMEOUT_S, lambda: self._loop.create_task(self._expire_move(request_id, token)))
+        return state
+
+    async def finish_migration(self, request_id: str, destination: str) -> bool:
+        """`destination` has imported the request: end its stream here with `migrated_to`.
+        False if its reader left meanwhile (the mover then aborts it on `destination`)."""
+        moving = self._moving.pop(request_id, None)
+        if moving is None or request_id not in self._streams:
+            return False
+        self._put(request_id, StreamChunk(request_id, self.worker_id, [], migrated_to=destination))
+        return True
+
+    async def cancel_migration(self, request_id: str) -> bool:
+        """The destination refused the request: it resumes here, on the same stream."""
+        moving = self._moving.pop(request_id, None)
+        if moving is None:
+            return False
+        if request_id not in self._streams:  # its reader left meanwhile: nothing to resume
+            return False
+        state = dataclasses.replace(moving[1], arrival_time=_mono_from_wall(moving[1].arrival_time))
+        await self._call(lambda e: e.import_request(state))
+        return True
+
+    async def drop_import(self, request_id: str) -> bool:
+        """Undo an import whose move was never announced (its reader left, or it expired
+        on the source): nobody will attach to it, so its stream goes too."""
+        found = await self._call(lambda e: e.abort(request_id))
+        self._streams.pop(request_id, None)
+        self._sent.pop(request_id, None)
+        return found
+
+    async def _expire_move(self, request_id: str, token: int) -> None:
+        if self._moving.get(request_id, (None, None, None))[2] == token:
+            log.warning("move of %s was never settled: it resumes on %s", request_id, self.worker_id)
+            try:
+                await self.cancel_migration(request_id)
+            except Exception:
+                log.exception("resuming %s after an unsettled move failed", request_id)
 
     async def import_request(self, state, preempt: list[str] = ()) -> str:
         """Admit a migrated request (into SWAPPED: the next swap-in resumes it), after
@@ -169,11 +236,14 @@ class EngineWorker:
             self.num_migrations_in += 1
             return rid_
         try:
-            return await self._call(run)
+            rid_ = await self._call(run)
         except BaseException:
             self._streams.pop(rid, None)
             self._sent.pop(rid, None)
             raise
+        for ev in self._arrivals.pop(rid, []):
+            ev.set()
+        return rid_
 
     async def preempt(self, request_id: str) -> bool:
         self._loop = asyncio.get_running_loop()
@@ -207,6 +277,10 @@ class EngineWorker:
 
     async def ping(self) -> str:
         return self.worker_id
+
+    async def pid(self) -> int:
+        """The process running this worker (fault tests kill it)."""
+        return os.getpid()
 
     def shutdown(self) -> None:
         """Stop the step and publisher threads and wait for them: a thread still running
@@ -252,7 +326,7 @@ class EngineWorker:
         self.num_prompt_tokens += len(req.prompt_token_ids)
 
     def _abort(self, rid: str) -> bool:
-        if not self.engine.abort(rid):
+        if not self.engine.abort(rid) and self._moving.pop(rid, None) is None:
             return False
         sent = self._sent.get(rid, {0: 0})
         self._put(rid, StreamChunk(rid, self.worker_id, [CompletionDelta(i, [], "", n, "abort")
@@ -263,7 +337,7 @@ class EngineWorker:
         state = self.engine.export_request(rid)
         state.arrival_time = _wall_from_mono(state.arrival_time)
         self.num_migrations_out += 1
-        self._put(rid, StreamChunk(rid, self.worker_id, [], migrated_to=destination))
+        self._moving[rid] = (destination, state, next(self._move_ids))  # announced once imported there
         return state
 
     def _put(self, rid: str, item) -> None:
@@ -293,7 +367,10 @@ class EngineWorker:
                     self._fail(traceback.format_exc())
                     continue
                 for out in outs:
-                    self._dispatch(out)
+                    if out.error is not None:  # the engine failed this request alone (fault_isolation.py)
+                        self._put(out.request_id, RequestFailedError(out.error))
+                    else:
+                        self._dispatch(out)
             else:
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -322,9 +399,24 @@ class EngineWorker:
         """The engine raised inside a step: its state cannot be trusted. Every request fails
         with a clear error, the worker refuses new ones, and its heartbeat stops."""
         self.failed = tb.strip().splitlines()[-1]
+        log.error("worker %s failed:\n%s", self.worker_id, tb)
         err = WorkerFailedError(f"worker {self.worker_id} failed: {self.failed}")
         for rid in list(self._streams):
             self._put(rid, err)
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._wake_arrivals)
+            except RuntimeError:
+                pass
+        if self.exit_on_failure_s is not None:  # the cluster restarts this process with a new engine
+            t = threading.Timer(self.exit_on_failure_s, os._exit, args=(1,))
+            t.daemon = True
+            t.start()
+
+    def _wake_arrivals(self) -> None:
+        for evs in self._arrivals.values():
+            for ev in evs:
+                ev.set()
 
     # ---- load publishing ----------------------------------------------------------------
     def _load(self) -> WorkerLoad:
