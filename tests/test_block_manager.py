@@ -227,7 +227,9 @@ class PagedMachine(RuleBasedStateMachine):
     def consistent(self):
         self.kv.check_invariants(self.live + self.swapped)
         self.other.check_invariants(self.moved)
-        assert self.kv.swap.num_free >= 0 and sum(map(len, self.kv.swap.tables.values())) <= 10, "over-committed"
+        swap = self.kv.swap  # every host block either free or held by a swapped-out table, never both
+        held = {b for t in swap.tables.values() for b in t}
+        assert len(held) <= swap.num_blocks == 10 and swap.num_free == swap.num_blocks - len(held), "over-committed"
 
     def teardown(self):
         for s in self.live + self.swapped:

@@ -26,7 +26,7 @@ def load(wid, free=10, reqs=()):
 
 
 def test_heartbeat_registers_and_expires(redis_server, ns):
-    pub = WorkerPublisher(redis_server.url, ns, ttl_s=0.3)
+    pub = WorkerPublisher(redis_server.url, ns, ttl_s=1.0)
     state = ClusterState(redis_server.url, ns)
     pub.publish(load("w0", reqs=[RequestSummary("r1", "swapped", 2, 123.0, 4)]), set())
     pub.publish(load("w1"), set())
@@ -35,10 +35,13 @@ def test_heartbeat_registers_and_expires(redis_server, ns):
     assert loads["w0"].requests == [RequestSummary("r1", "swapped", 2, 123.0, 4)]
     assert loads["w0"].queued_tokens == 40 and loads["w0"].kv_usage == pytest.approx(22 / 32)
     assert state.swapped_directory() == [("w0", "r1", {"blocks": 4, "priority": 2, "arrival": 123.0})]
-    time.sleep(0.2)
-    pub.publish(load("w1"), set())  # only w1 keeps beating
-    time.sleep(0.2)
-    assert sorted(state.live_loads()) == ["w1"]  # w0's key expired: dead
+    deadline = time.monotonic() + 10  # w0's key expires after its TTL while w1 keeps beating
+    while "w0" in state.live_loads():
+        assert time.monotonic() < deadline, "w0's heartbeat key never expired"
+        pub.publish(load("w1"), set())
+        time.sleep(0.05)
+    pub.publish(load("w1"), set())
+    assert sorted(state.live_loads()) == ["w1"]  # w0 dead, w1 alive (just renewed: a whole TTL of margin)
     pub.withdraw("w1")
     assert state.live_loads() == {}
 
