@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from folio.kernels.errors import KernelInputError
+
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
@@ -42,8 +44,9 @@ def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor]
         return
     caches = [*key_caches, *value_caches]
     first = caches[0]
-    assert all(c[0].is_contiguous() and c.dtype == first.dtype and c.shape == first.shape
-               and c.stride() == first.stride() for c in caches), "caches of one shape, each block contiguous"
+    if not all(c[0].is_contiguous() and c.dtype == first.dtype and c.shape == first.shape
+               and c.stride() == first.stride() for c in caches):
+        raise KernelInputError("copy_blocks needs caches of one shape, dtype and stride, each block contiguous")
     ptrs = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64, device=first.device)
     mapping = block_mapping.to(device=first.device, dtype=torch.int64).contiguous()
     numel = first[0].numel()

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from folio.kernels.errors import KernelInputError
+
 
 def write_kv(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -50,7 +52,8 @@ def _token_rows(cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor,
     num_blocks, block_size = cache.shape[0], cache.shape[1]
     if cache.is_contiguous():
         return cache.view(num_blocks * block_size, *cache.shape[2:]), slots
-    assert cache[0].is_contiguous() and cache.stride(0) % cache.stride(1) == 0, "each block must be contiguous"
+    if not (cache[0].is_contiguous() and cache.stride(0) % cache.stride(1) == 0):
+        raise KernelInputError("the KV cache's blocks must each be contiguous, a whole number of rows apart")
     step = cache.stride(0) // cache.stride(1)  # rows from one block's start to the next's
     rows = cache.as_strided(((num_blocks - 1) * step + block_size, *cache.shape[2:]), cache.stride()[1:])
     return rows, slots + (slots // block_size) * (step - block_size)

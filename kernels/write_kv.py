@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from folio.kernels.errors import KernelInputError
+
 
 @triton.jit
 def _write_kv_kernel(
@@ -42,7 +44,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    assert key.stride(-1) == 1 and value.stride(-1) == 1, "head_dim must be contiguous"
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise KernelInputError("write_kv needs key and value contiguous along head_dim")
     _write_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),

@@ -101,3 +101,24 @@ def test_engine_on_triton_backend_matches_torch_backend(model_dirs, monkeypatch)
     assert llm.engine.model.ops.name == "triton"
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == want
+
+
+def test_launchers_raise_a_typed_error_on_layouts_they_cannot_take():
+    """Inputs a launcher cannot take: KernelInputError (a ValueError), never an assert
+    (which `python -O` would strip, letting the kernel read the wrong memory)."""
+    from folio.kernels.errors import KernelInputError
+
+    k_cache = torch.zeros(4, 8, 2, 16)
+    v_cache = torch.zeros(4, 8, 2, 16)
+    key = torch.randn(3, 2, 32)[:, :, ::2]  # head_dim strided
+    with pytest.raises(KernelInputError, match="head_dim"):
+        triton_write_kv(key, key.clone(), k_cache, v_cache, torch.tensor([0, 1, 2]))
+    mapping = torch.tensor([[0, 1]])
+    with pytest.raises(KernelInputError, match="one shape"):
+        triton_copy_blocks([k_cache], [torch.zeros(4, 8, 2, 8)], mapping)
+    with pytest.raises(KernelInputError, match="one shape"):
+        triton_copy_blocks([k_cache], [v_cache.double()], mapping)
+    torn = torch.zeros(4, 8, 2, 32)[..., ::2]  # no block is contiguous
+    with pytest.raises(KernelInputError, match="contiguous"):
+        reference.write_kv(torch.randn(3, 2, 16), torch.randn(3, 2, 16), torn, torn.clone(), torch.tensor([0, 1, 2]))
+    assert issubclass(KernelInputError, ValueError)
