@@ -32,6 +32,9 @@ from folio.worker.errors import ConfigError, UnavailableError  # noqa: E402
 from folio.worker.models.config import ModelConfig  # noqa: E402
 
 
+WORKER_EXIT_GRACE_S = 0.5  # a worker whose engine failed exits this long after failing its requests
+
+
 @dataclass
 class ClusterConfig:
     model: str
@@ -151,10 +154,14 @@ class FolioCluster:
         cfg = self.config
         engine_config = EngineConfig(model=os.path.abspath(cfg.model), **engine_fields)
         handle = Worker.options(name=actor_name(cfg.namespace, wid), namespace=cfg.namespace, num_gpus=1,
-                                num_cpus=cfg.worker_num_cpus, max_concurrency=1000, max_restarts=0,
+                                num_cpus=cfg.worker_num_cpus, max_concurrency=1000,
+                                # a worker that dies (or exits after its engine failed) is restarted:
+                                # a new engine, and its heartbeats register it again
+                                max_restarts=-1, max_task_retries=0,
                                 **self._lifetime()).remote(
             wid, functools.partial(make_engine, engine_config, threads),
-            functools.partial(WorkerPublisher, self.redis_url, cfg.namespace), cfg.heartbeat_s)
+            functools.partial(WorkerPublisher, self.redis_url, cfg.namespace), cfg.heartbeat_s,
+            exit_on_failure_s=WORKER_EXIT_GRACE_S)
         self.workers[wid] = handle
         return handle
 

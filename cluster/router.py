@@ -51,7 +51,7 @@ class Router:
         self._loads_at = 0.0
         self._refreshing: asyncio.Task | None = None
         self._sent: dict[str, list[tuple[float, int]]] = defaultdict(list)  # wid -> (time.time(), tokens)
-        self._dead: dict[str, float] = {}  # wid -> monotonic time it was seen dying
+        self._dead: dict[str, tuple[float, float]] = {}  # wid -> (monotonic, wall) time it was seen dying
         self._where: dict[str, str] = {}  # request id -> worker streaming it
         self.state_error: str | None = None  # why the cluster state is unreachable, while it is
         self.decisions = 0
@@ -66,8 +66,18 @@ class Router:
             await self._refresh()
         elif now - self._loads_at > self.refresh_s and not self._refresh_in_flight():
             self._refreshing = asyncio.get_running_loop().create_task(self._refresh())
-        return {w: l for w, l in self._loads.items()
-                if not l.draining and now - self._dead.get(w, -1e9) > DEAD_HOLD_S}
+        return {w: l for w, l in self._loads.items() if not l.draining and not self._held_dead(w, l, now)}
+
+    def _held_dead(self, wid: str, load: WorkerLoad, now: float) -> bool:
+        """Seen dying, and no heartbeat since: Redis may still list it for a TTL. A heartbeat
+        newer than the death (its restart registering again) brings it back at once."""
+        dead = self._dead.get(wid)
+        if dead is None:
+            return False
+        if now - dead[0] > DEAD_HOLD_S or load.timestamp > dead[1]:
+            del self._dead[wid]
+            return False
+        return True
 
     def _refresh_in_flight(self) -> bool:
         # a task of another (finished) event loop never completes: it does not count
@@ -114,7 +124,7 @@ class Router:
         return matches
 
     def mark_dead(self, wid: str) -> None:
-        self._dead[wid] = time.monotonic()
+        self._dead[wid] = (time.monotonic(), time.time())
 
     def _candidates(self, loads: dict[str, WorkerLoad]) -> list[Candidate]:
         out = []
