@@ -182,3 +182,88 @@ def test_a_fault_no_request_explains_fails_the_engine(model_dirs, monkeypatch):
     monkeypatch.setattr(e.model, "forward", broken)
     with pytest.raises(EngineFailedError, match="illegal memory access"):
         e.step()
+
+
+def test_worker_fails_the_blamed_request_only_and_an_engine_fault_fails_the_worker(model_dirs, monkeypatch):
+    """Through the worker: the poisoned request's stream ends with RequestFailedError and the
+    worker keeps serving; a fault nothing explains fails every stream with WorkerFailedError
+    and the worker refuses new work (in the cluster it then exits and Ray restarts it)."""
+    import asyncio
+    import functools
+
+    from folio.worker.actor import EngineWorker
+    from folio.worker.errors import RequestFailedError, UnavailableError, WorkerFailedError
+    from folio.worker.messages import GenerateRequest
+
+    cfg = EngineConfig(model=model_dirs["llama"], **ENGINE)
+    w = EngineWorker("w", functools.partial(LLMEngine, cfg))
+    greedy = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
+    ref = run_all(LLMEngine(cfg), [("g", [5, 6, 7], SamplingParams(**greedy))])["g"].token_ids
+
+    async def collect(req):
+        toks = []
+        async for chunk in w.generate(req):
+            toks += chunk.deltas[0].token_ids
+        return toks
+
+    async def main():
+        bad = SamplingParams(**greedy)
+        bad.logprobs = 10 ** 4
+        got = await asyncio.gather(collect(GenerateRequest("bad", [1, 2, 3], bad)),
+                                   collect(GenerateRequest("g", [5, 6, 7], SamplingParams(**greedy))),
+                                   return_exceptions=True)
+        assert isinstance(got[0], RequestFailedError) and "bad" in str(got[0]), got[0]
+        assert got[1] == ref and w.failed is None
+        assert await collect(GenerateRequest("g2", [5, 6, 7], SamplingParams(**greedy))) == ref
+        st = await w.stats()
+        assert st["num_streams"] == 0 and st["num_free_blocks"] == st["num_kv_blocks"]
+
+        def broken(*a, **kw):
+            raise RuntimeError("device lost")
+        monkeypatch.setattr(w.engine.model, "forward", broken)
+        got = await asyncio.gather(*(collect(GenerateRequest(f"x{i}", [5, 6, 7 + i], SamplingParams(**greedy)))
+                                     for i in range(2)), return_exceptions=True)
+        assert all(isinstance(e, WorkerFailedError) and "device lost" in str(e) for e in got), got
+        with pytest.raises(UnavailableError, match="failed"):
+            await collect(GenerateRequest("late", [1, 2], SamplingParams(**greedy)))
+    try:
+        asyncio.run(main())
+    finally:
+        w.shutdown()
+
+
+_EXIT_CHECK = """
+import asyncio, functools, sys
+from folio.worker import EngineConfig, LLMEngine, SamplingParams
+from folio.worker.actor import EngineWorker
+from folio.worker.messages import GenerateRequest
+cfg = EngineConfig(model=sys.argv[1], block_size=8, num_kv_blocks=16, max_model_len=64)
+w = EngineWorker("w", functools.partial(LLMEngine, cfg), None, exit_on_failure_s=0.2)
+def broken(*a, **kw):
+    raise RuntimeError("device lost")
+w.engine.model.forward = broken
+async def main():
+    try:
+        async for _ in w.generate(GenerateRequest("r", [1, 2, 3], SamplingParams(max_tokens=4))):
+            pass
+    except Exception as e:
+        print("stream error:", type(e).__name__, flush=True)
+    await asyncio.sleep(30)
+    print("still alive", flush=True)
+asyncio.run(main())
+"""
+
+
+def test_a_failed_worker_exits_its_process_so_the_cluster_restarts_it(model_dirs, tmp_path):
+    """With exit_on_failure_s (what the cluster sets), an engine failure first reaches the
+    request's stream, then the process exits non-zero: Ray restarts the actor (the SIGKILL
+    test in test_cluster_ray.py covers the restart itself)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_check.py"
+    script.write_text(_EXIT_CHECK)
+    out = subprocess.run([sys.executable, str(script), model_dirs["llama"]], capture_output=True, text=True,
+                         timeout=120)
+    assert "stream error: WorkerFailedError" in out.stdout, (out.stdout, out.stderr[-2000:])
+    assert out.returncode == 1 and "still alive" not in out.stdout
