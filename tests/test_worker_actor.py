@@ -296,3 +296,28 @@ def test_step_thread_uses_the_engines_torch_threads(model, tmp_path):
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stderr[-2000:]
     assert "step thread omp threads 2" in out.stdout, out.stdout
+
+
+def test_router_takes_a_dead_worker_back_once_it_heartbeats_again():
+    """A worker seen dying is skipped while Redis still holds its last heartbeat (up to the
+    TTL), and used again at once when a heartbeat newer than its death arrives (a restart),
+    not only after DEAD_HOLD_S."""
+    from folio.worker.messages import WorkerLoad
+
+    def load(ts):
+        return WorkerLoad("w", ts, 8, 8, 0, 0, 8, 0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0)
+    with EmbeddedRedis() as server:
+        pub, state = WorkerPublisher(server.url, "dead"), ClusterState(server.url, "dead")
+
+        async def main():
+            router = Router(state, LocalWorkerClient({}))
+            pub.publish(load(time.time()), set())
+            assert "w" in await router.live_loads(refresh=True)
+            router.mark_dead("w")
+            assert "w" not in await router.live_loads(refresh=True)  # its old heartbeat is still listed
+            pub.publish(load(time.time() - 0.5), set())  # measured before it died
+            assert "w" not in await router.live_loads(refresh=True)
+            await asyncio.sleep(0.01)
+            pub.publish(load(time.time()), set())  # restarted: a new heartbeat
+            assert "w" in await router.live_loads(refresh=True)
+        asyncio.run(main())
