@@ -114,6 +114,7 @@ def test_serve_arguments_parse_with_the_cli_and_match_the_ports(chart):
         assert args.num_workers == merged["workers"]["replicas"] * merged["workers"]["gpusPerPod"], case
         assert args.model == merged["model"]["path"] and args.address == "auto"
         assert args.kv_cache_layout == merged["serve"]["kvCacheLayout"], case
+        assert args.host == "0.0.0.0", case  # explicit: `folio serve` alone listens on loopback only
         head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
         ports = {p["name"]: p["containerPort"] for p in head["ports"]}
         assert (ports["http"], ports["grpc"], ports["metrics"]) == (args.http_port, args.grpc_port,

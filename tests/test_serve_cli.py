@@ -36,6 +36,7 @@ def test_serve_starts_workers_and_drains_on_sigterm(model_dirs, tmp_path):
             out, _ = proc.communicate(timeout=60)
             assert proc.returncode == 0, out
             assert "stopped" in out
+            assert redis.password not in "".join(lines) + out  # the URL is printed redacted
             assert state.live_loads() == {}  # the workers left the registry at once
         finally:
             if proc.poll() is None:
