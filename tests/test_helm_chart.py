@@ -149,7 +149,7 @@ def test_gpu_requests_auth_and_termination(chart):
     worker = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
     assert "nvidia.com/gpu" not in worker["resources"]["limits"]
     docs = render(chart, OVERRIDES["auth-on"])
-    secret = next(d for d in docs if d["kind"] == "Secret")
+    secret = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-api-key"))
     rs, _ = serve_config(docs)
     env = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
     ref = next(e for e in env if e["name"] == "FOLIO_API_KEY")["valueFrom"]["secretKeyRef"]
@@ -223,3 +223,29 @@ def test_build_context_excludes_tests_venvs_and_results():
     for path in ("worker/engine.py", "deploy/serve.py", "deploy/proto/folio/v1/generate.proto", "pyproject.toml",
                  "setup.py", "README.md", "folio_pkg/__init__.py"):
         assert not ignored(path), path
+
+
+def test_the_charts_redis_requires_the_password_its_clients_get(chart):
+    import base64
+
+    for case in ("default", "auth-on"):
+        docs = render(chart, OVERRIDES.get(case, {}))
+        secret = next(d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == "demo-folio-redis")
+        assert len(base64.b64decode(secret["data"]["password"])) == 32
+        redis = next(d for d in docs if d["kind"] == "StatefulSet")["spec"]["template"]["spec"]["containers"][0]
+        args = redis["args"]
+        assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+        ref = next(e for e in redis["env"] if e["name"] == "REDIS_PASSWORD")["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "demo-folio-redis", "key": "password"}
+        assert "REDIS_PASSWORD" in " ".join(redis["readinessProbe"]["exec"]["command"])
+        rs, _ = serve_config(docs)
+        for pod in (rs["spec"]["rayClusterConfig"]["headGroupSpec"],
+                    rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]):
+            env = pod["template"]["spec"]["containers"][0]["env"]
+            assert next(e for e in env if e["name"] == "FOLIO_REDIS_PASSWORD")["valueFrom"]["secretKeyRef"] == ref
+    docs = render(chart, OVERRIDES["external-redis"])  # the given Secret, none generated
+    assert not any(d["kind"] == "Secret" and d["metadata"]["name"] == "demo-folio-redis" for d in docs)
+    rs, _ = serve_config(docs)
+    env = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
+    assert next(e for e in env if e["name"] == "FOLIO_REDIS_PASSWORD")["valueFrom"]["secretKeyRef"] == {
+        "name": "redis-auth", "key": "password"}

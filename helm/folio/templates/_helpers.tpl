@@ -24,6 +24,11 @@ folio.io/role: head
 {{- end -}}
 {{- end -}}
 
+{{- /* the Redis password's Secret: the given one, or (chart's Redis) one the chart generates */ -}}
+{{- define "folio.redisSecretName" -}}
+{{ .Values.redis.passwordSecret.name | default (printf "%s-redis" (include "folio.fullname" .)) }}
+{{- end -}}
+
 {{- define "folio.numWorkers" -}}{{ mul .Values.workers.replicas .Values.workers.gpusPerPod }}{{- end -}}
 
 {{/* The arguments of `folio serve` (tests parse them with the CLI's own parser). */}}
@@ -127,11 +132,11 @@ initContainers:
       name: {{ .Values.apiKey.existingSecret | default (printf "%s-api-key" (include "folio.fullname" .)) }}
       key: {{ .Values.apiKey.secretKey }}
 {{- end }}
-{{- if and (not .Values.redis.enabled) .Values.redis.passwordSecret.name }}
+{{- if or .Values.redis.enabled .Values.redis.passwordSecret.name }}
 - name: FOLIO_REDIS_PASSWORD
   valueFrom:
     secretKeyRef:
-      name: {{ .Values.redis.passwordSecret.name }}
+      name: {{ include "folio.redisSecretName" . }}
       key: {{ .Values.redis.passwordSecret.key }}
 {{- end }}
 {{- end -}}
