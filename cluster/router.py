@@ -18,7 +18,7 @@ import asyncio
 import logging
 import random
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import AsyncIterator
 
 from folio.cluster.policies import (POLICIES, Candidate, least_loaded, power_of_two, prefix_aware,
@@ -29,6 +29,7 @@ from folio.worker.errors import ConfigError, InvalidRequestError, UnavailableErr
 from folio.worker.hashing import DEFAULT_HASH_SEED, hash_full_blocks
 from folio.worker.messages import GenerateRequest, StreamChunk, WorkerLoad
 
+DECISIONS_KEPT = 10_000
 DEAD_HOLD_S = 5.0  # a worker seen dying is skipped this long, whatever Redis still says
 log = logging.getLogger("folio.router")
 
@@ -55,7 +56,8 @@ class Router:
         self._where: dict[str, str] = {}  # request id -> worker streaming it
         self.state_error: str | None = None  # why the cluster state is unreachable, while it is
         self.decisions = 0
-        self.decision_seconds: list[float] = []  # time spent per routing decision (benchmarks)
+        # time spent per routing decision, the latest ones (benchmarks): bounded, as everything kept per request
+        self.decision_seconds: deque[float] = deque(maxlen=DECISIONS_KEPT)
 
     # ---- choosing a worker --------------------------------------------------------------
     async def live_loads(self, refresh: bool = False) -> dict[str, WorkerLoad]:

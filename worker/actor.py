@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -109,9 +110,14 @@ class EngineWorker:
         except BaseException:
             self._streams.pop(rid, None)
             self._sent.pop(rid, None)
+            # cancelled while the step thread was adding it: it may be in the engine already
+            self._send(lambda e: e.abort(rid))
             raise
-        async for chunk in self._drain_stream(rid):
-            yield chunk
+        # closed here, not by the garbage collector: its `finally` forgets the request and
+        # aborts it when the reader went away
+        async with contextlib.aclosing(self._drain_stream(rid)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def attach(self, request_id: str) -> AsyncIterator[StreamChunk]:
         """The stream of a request imported here by a migration (waits for the import)."""
@@ -133,8 +139,9 @@ class EngineWorker:
                     self._arrivals.pop(request_id, None)
         if request_id not in self._streams or self.failed:
             raise UnavailableError(f"request {request_id!r} never arrived on worker {self.worker_id}")
-        async for chunk in self._drain_stream(request_id):
-            yield chunk
+        async with contextlib.aclosing(self._drain_stream(request_id)) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def _drain_stream(self, rid: str) -> AsyncIterator[StreamChunk]:
         q = self._streams[rid]
@@ -380,7 +387,9 @@ class EngineWorker:
                 self._offer_load()
 
     def _dispatch(self, out) -> None:
-        sent = self._sent.setdefault(out.request_id, {})
+        sent = self._sent.get(out.request_id)
+        if sent is None:  # its reader left (the abort it sent is on its way): nothing to stream
+            return
         deltas = []
         for c in out.outputs:
             n = sent.get(c.index, 0) + len(c.token_ids)
