@@ -135,7 +135,7 @@ class FolioCluster:
             self.redis_url = self.redis.url
         self.state = ClusterState(self.redis_url, cfg.namespace)
         threads = cfg.torch_threads or max((os.cpu_count() or 1) // cfg.num_workers, 1)
-        engine_fields = {"device": "auto", **cfg.engine}
+        engine_fields = {"device": "auto", "warm_up": True, **cfg.engine}  # a server: memory flat under load
         Worker = ray.remote(EngineWorker)
         for i in range(cfg.num_workers):
             self.start_worker(f"w{i}", Worker, engine_fields, threads)

@@ -80,3 +80,33 @@ def row_bucket(rows: int) -> int:
         return rows
     step = 8 if rows <= 256 else 1 << ((rows - 1).bit_length() - 5)
     return -(-rows // step) * step
+
+
+def warm_row_buckets(layers, max_rows: int) -> int:
+    """Run each distinct oneDNN weight shape among `layers` (Linear, or (Linear, its own
+    max rows)) once at every bucket up to `max_rows`, capped at WARM_ROWS_MAX, so the state
+    oneDNN keeps per shape is made at load, before serving: a worker's memory then stays
+    flat under any batch mix, and no request pays a first-time primitive build. Larger row
+    counts are left to their first call (their state is small: ~0.4 MB each, measured).
+    Returns the calls made."""
+    seen: dict[tuple, tuple[Linear, int]] = {}
+    for item in layers:
+        lin, cap = item if isinstance(item, tuple) else (item, max_rows)
+        if lin._packed is None:
+            continue
+        key = (tuple(lin._packed.shape), lin.bias is not None)
+        seen[key] = (lin, max(cap, seen.get(key, (lin, 0))[1]))
+    calls = 0
+    with torch.inference_mode():
+        for lin, cap in seen.values():
+            top = min(cap, max_rows, WARM_ROWS_MAX)
+            if top < 1:
+                continue
+            x = torch.zeros(top, lin._packed.shape[1])
+            for r in sorted({row_bucket(r) for r in range(1, top + 1)}):
+                lin(x[:r])
+                calls += 1
+    return calls
+
+
+WARM_ROWS_MAX = 512  # buckets above it hold little memory and cost the most to run

@@ -115,3 +115,17 @@ def test_router_decision_log_is_bounded():
     for i in range(DECISIONS_KEPT + 50):
         r.decision_seconds.append(float(i))
     assert len(r.decision_seconds) == DECISIONS_KEPT and r.decision_seconds[-1] == DECISIONS_KEPT + 49
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_warm_up_runs_each_shape_once_per_bucket():
+    from folio.kernels.linear import WARM_ROWS_MAX, warm_row_buckets
+
+    a, a2 = Linear(torch.randn(48, 40), None, "onednn"), Linear(torch.randn(48, 40), None, "onednn")
+    b, head = Linear(torch.randn(40, 48), torch.randn(40), "onednn"), Linear(torch.randn(96, 40), None, "onednn")
+    plain = Linear(torch.randn(8, 8), None, "torch")  # not oneDNN: nothing to warm
+    n = warm_row_buckets([a, a2, b, (head, 20), plain], 100)
+    per = len({row_bucket(r) for r in range(1, 101)})
+    assert n == 2 * per + len({row_bucket(r) for r in range(1, 21)})  # a and a2 share a shape
+    assert warm_row_buckets([a], 10 * WARM_ROWS_MAX) == len({row_bucket(r) for r in range(1, WARM_ROWS_MAX + 1)})
+

@@ -33,6 +33,9 @@ class EngineConfig:
     watermark: float = 0.01  # fraction of blocks kept free when admitting (anti-thrash)
     seed: int = 0  # seed for requests that carry none
     tokenizer: str | None = None  # defaults to `model`
+    # build the linear kernels' per-shape state for every batch size at load (kernels/linear.py):
+    # a server's memory stays flat under any batch mix; off by default (costs seconds at load)
+    warm_up: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -70,6 +70,8 @@ class LLMEngine:
         self.model = load_model(config.model, dtype, self.device, self.max_model_len, mc)
         self.runner = ModelRunner(self.model, self.num_kv_blocks, config.block_size, dtype, self.device,
                                   self.num_cpu_blocks, layout=config.kv_cache_layout)
+        if config.warm_up:  # memory flat from here on
+            self.runner.warm_up(self.max_num_batched_tokens, config.max_num_seqs)
         self.tokenizer = load_tokenizer(config.tokenizer)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.eos_token_ids = set(mc.eos_token_ids) | generation_eos_ids(config.model)

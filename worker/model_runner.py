@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from folio import kernels
+from folio.kernels.linear import warm_row_buckets
 from folio.worker.block_manager import KVCacheManager, cdiv
 from folio.worker.models.llama import AttentionMetadata, LlamaModel
 from folio.worker.sequence import Sequence
@@ -84,6 +85,13 @@ class ModelRunner:
         if pairs:
             mapping = torch.tensor(pairs, dtype=torch.long, device=self.device)
             self.model.ops.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
+
+    def warm_up(self, max_num_tokens: int, max_num_seqs: int) -> int:
+        """Build the linear layers' per-shape kernel state for every batch size the engine can
+        run (kernels/linear.py: warm_row_buckets); the LM head only sees sampled rows."""
+        m = self.model
+        layers = [lin for layer in m.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return warm_row_buckets(layers + [(m.lm_head, max_num_seqs)], max_num_tokens)
 
     def prepare(self, scheduled: list[tuple[Sequence, int]], kv: KVCacheManager) -> ModelInputs:
         B = self.block_size
