@@ -2,8 +2,13 @@
 /health, /metrics. Server-sent events end with `data: [DONE]`; errors use OpenAI's
 JSON shape: {"error": {"message", "type", "param", "code"}}.
 
-    400 bad input · 401 missing/wrong API key · 429 admission queue full (Retry-After)
-    503 no live worker (or the worker serving it died after streaming tokens)
+    400 bad input · 401 missing/wrong API key · 413 body too large (serve_app)
+    429 admission queue full (Retry-After) · 503 no live worker (or the worker serving it
+    died after streaming tokens) · 500 anything unexpected, still in this shape
+
+Bodies are parsed by the typed models of openai_schema.py (the bounds are SamplingParams');
+a request's prompts are checked, then admitted whole, and every path out of a run after
+admission (an error, a client gone) aborts its streams and releases its slots.
 
 Handlers are plain functions of (frontend, body); deploy/serve_app.py mounts them on
 the FastAPI app that Ray Serve runs. A client that disconnects closes the stream,

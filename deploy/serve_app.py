@@ -8,6 +8,10 @@ replicas on one node share it), plus an optional Prometheus port.
 
 Serve's own per-replica queue is set far above Folio's admission limit, so an excess
 request gets Folio's 429 / RESOURCE_EXHAUSTED at once rather than waiting in Serve.
+
+With an API key every route but /health needs it (/v1/*, /metrics, /docs, /openapi.json,
+and the separate metrics port). Bodies are read up to `max_body_bytes` (413 past it);
+404, 405 and anything unexpected answer in OpenAI's error shape, never plain text.
 """
 
 
