@@ -67,7 +67,7 @@ async def _run(args) -> dict:
                              args.prefixes, args.prefix_len, args.turns, args.dataset)
             shape = LoadShape(rate or None, args.arrival, args.burstiness, args.max_concurrency, args.duration,
                               args.request_timeout)
-            poller = report.MetricsPoller(metrics_url)
+            poller = report.MetricsPoller(metrics_url, api_key=args.api_key)
             await poller.start()
             records, wall = await run_load(target, workload, shape, args.seed, progress=not args.quiet)
             folio = await poller.stop()

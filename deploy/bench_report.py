@@ -78,11 +78,12 @@ def summarize(records: list[Record], wall_s: float, slo: dict[str, float] | None
 
 
 # ---- Folio's /metrics ----------------------------------------------------------------------
-def scrape(url: str) -> dict[str, float]:
+def scrape(url: str, api_key: str | None = None) -> dict[str, float]:
     """Sum of each folio_* sample over its labels (and the max KV usage over workers)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(url, timeout=5) as r:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}  # /metrics needs the key too
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5) as r:
         text = r.read().decode()
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
@@ -99,8 +100,8 @@ class MetricsPoller:
     """Samples /metrics every `interval_s` during a run: the timeline for the plots and the
     counters before and after. A target without Folio's metrics gives an empty timeline."""
 
-    def __init__(self, url: str | None, interval_s: float = 0.5) -> None:
-        self.url, self.interval_s = url, interval_s
+    def __init__(self, url: str | None, interval_s: float = 0.5, api_key: str | None = None) -> None:
+        self.url, self.interval_s, self.api_key = url, interval_s, api_key
         self.timeline: list[dict] = []
         self.before: dict[str, float] = {}
         self.after: dict[str, float] = {}
@@ -109,7 +110,7 @@ class MetricsPoller:
 
     async def _sample(self) -> dict[str, float]:
         try:
-            return await asyncio.to_thread(scrape, self.url)
+            return await asyncio.to_thread(scrape, self.url, self.api_key)
         except Exception:
             return {}
 
