@@ -109,4 +109,4 @@ def warm_row_buckets(layers, max_rows: int) -> int:
     return calls
 
 
-WARM_ROWS_MAX = 512  # buckets above it hold little memory and cost the most to run
+WARM_ROWS_MAX = 2048  # buckets above it cost the most to run; their state is made on first use
