@@ -20,6 +20,13 @@ import time
 from dataclasses import dataclass, field
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# A call in flight on a worker whose process dies fails at once (ActorUnavailableError, ~10 ms after
+# the kill). Ray's default for a restartable actor (max_restarts, start_worker) is to hold such a call
+# up to 1 s for "death info" from the GCS, checked on a 1 s tick, so it failed 1.0-2.0 s after the kill;
+# the info never comes for an actor that restarts (only DEAD releases the wait). Set before ray.init:
+# the Ray started here (GCS, raylet) and every worker it spawns (router in Serve replicas, the
+# coordinator) inherit it; KubeRay sets the same for a RayService.
+os.environ.setdefault("RAY_timeout_ms_task_wait_for_death_info", "0")
 
 from folio.cluster.coordinator import CoordinatorActor  # noqa: E402
 from folio.cluster.redis_server import EmbeddedRedis  # noqa: E402
