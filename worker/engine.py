@@ -24,7 +24,7 @@ from folio.worker.migration import RequestState, export_request, import_request
 from folio.worker.preemption import PreemptionRates
 from folio.worker import fault_isolation
 from folio.worker.sampler import sample
-from folio.worker.sampling_params import SamplingParams
+from folio.worker.sampling_params import SamplingParams, check_priority
 from folio.worker.scheduler import Scheduler
 from folio.worker.sizing import size_engine
 from folio.worker.sequence import CompletionOutput, RequestOutput, Sequence, SequenceGroup, SequenceStatus
@@ -95,8 +95,7 @@ class LLMEngine:
             raise InvalidRequestError("params must be a SamplingParams")
         if output_kind not in OUTPUT_KINDS:
             raise InvalidRequestError(f"output_kind must be one of {OUTPUT_KINDS}")
-        if not isinstance(priority, int):
-            raise InvalidRequestError(f"priority must be an integer, got {priority!r}")
+        check_priority(priority)  # an integer in [-2**31, 2**31), as at the frontends
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
