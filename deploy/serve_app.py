@@ -69,8 +69,9 @@ async def read_json(request: Request, limit: int):
             raise oai.HTTPError(413, f"the body is larger than the limit of {limit} bytes",
                                 "invalid_request_error", "body_too_large")
         chunks.append(chunk)
-    try:
-        body = json.loads(b"".join(chunks))
+    raw = b"".join(chunks)
+    try:  # a large body parses off the event loop, like tokenization
+        body = json.loads(raw) if size < 2**16 else await asyncio.to_thread(json.loads, raw)
     except RecursionError:
         raise oai.HTTPError(400, "the body is nested too deeply", "invalid_request_error") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of too many digits
