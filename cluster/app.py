@@ -177,16 +177,23 @@ class FolioCluster:
 
     def wait_ready(self, n: int) -> None:
         import ray
+        import redis
 
         deadline = time.monotonic() + self.config.ready_timeout_s
-        while len(self.state.live_loads()) < n:
+        up = 0
+        while up < n:
+            try:
+                up = len(self.state.live_loads())
+            except redis.RedisError:  # one read timed out (0.5 s) on a busy machine: not a failed start
+                pass
             for wid, h in self.workers.items():  # surface a worker that failed to start
                 ready, _ = ray.wait([h.ping.remote()], timeout=0)
                 if ready:
                     ray.get(ready[0])
-            if time.monotonic() > deadline:
-                raise UnavailableError(f"only {len(self.state.live_loads())} of {n} workers came up")
-            time.sleep(0.1)
+            if up < n and time.monotonic() > deadline:
+                raise UnavailableError(f"only {up} of {n} workers came up")
+            if up < n:
+                time.sleep(0.1)
 
     # ---- stop -------------------------------------------------------------------------
     def drain(self, grace_s: float) -> None:

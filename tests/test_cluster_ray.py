@@ -213,6 +213,8 @@ def test_killed_worker_fails_or_reroutes_its_requests_and_is_restarted(cluster, 
     import os
     import signal
 
+    import redis
+
     params = SamplingParams(max_tokens=170, temperature=0.0, ignore_eos=True)  # 24 blocks: one per worker
     rr = Router(ClusterState(cluster.redis_url, "ftest"), cluster.router.client, "round-robin")
     w1 = cluster.workers["w1"]
@@ -246,7 +248,10 @@ def test_killed_worker_fails_or_reroutes_its_requests_and_is_restarted(cluster, 
         fail_s = [t - t_kill for t in failed_at.values()]
         # back: registered again (a heartbeat newer than the kill) and serving a pinned request
         while True:
-            load = rr.state.live_loads().get("w1")
+            try:
+                load = rr.state.live_loads().get("w1")
+            except redis.RedisError:  # a read timed out (0.5 s) on a busy machine: poll again
+                load = None
             if load is not None and load.timestamp > time.time() - (time.monotonic() - t_kill):
                 break
             assert time.monotonic() - t_kill < RESTART_BOUND_S, "w1 did not register again"
