@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
+# the main job's results: .run/ is ignored by git, so `make run` changes no tracked file
+RUN_OUT := .run/results
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export RAY_AUTH_MODE := disabled
@@ -29,10 +31,12 @@ run: venv
 		--num-heads 8 --num-kv-heads 4 --intermediate-size 1408 --vocab-size 8192 --seed 0
 	$(VENV)/bin/folio generate --model models/tiny-llama-8l --max-tokens 24 \
 		"def fibonacci(n):" "import numpy as np" "class Cache:"
-	$(PY) benchmarks/offline_throughput.py --model models/tiny-llama-8l --quick
+	mkdir -p $(RUN_OUT)
+	$(PY) benchmarks/offline_throughput.py --model models/tiny-llama-8l --quick \
+		--out $(RUN_OUT)/offline_throughput_quick.json
 	$(PY) benchmarks/cluster_local.py --model models/tiny-llama-8l --requests 16 \
-		--out benchmarks/results/cluster_local_quick.json
-	$(PY) benchmarks/serve_local.py --model models/tiny-llama-8l
+		--out $(RUN_OUT)/cluster_local_quick.json
+	$(PY) benchmarks/serve_local.py --model models/tiny-llama-8l --out-dir $(RUN_OUT)
 
 bench: venv
 	$(PY) benchmarks/offline_throughput.py --model models/tiny-llama-8l

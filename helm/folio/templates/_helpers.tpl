@@ -125,6 +125,9 @@ initContainers:
 {{- define "folio.env" -}}
 - name: RAY_AUTH_MODE
   value: disabled
+# a call in flight on a dead worker fails at once instead of waiting 1-2 s for Ray's death reason
+- name: RAY_timeout_ms_task_wait_for_death_info
+  value: "0"
 {{- if .Values.apiKey.enabled }}
 - name: FOLIO_API_KEY
   valueFrom:
