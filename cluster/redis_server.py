@@ -135,6 +135,11 @@ class EmbeddedRedis:
                 self.proc.wait()
         self.proc = None
 
+    def stop_supervising(self) -> None:
+        """From now on a dead server stays dead (its owner is shutting down: a Ctrl-C or a
+        SIGTERM to the whole process group reaches the server too); stop() still ends it."""
+        self._stop.set()
+
     def stop(self) -> None:
         """Stop the supervisor and the server, and remove its directory."""
         self._stop.set()

@@ -57,12 +57,18 @@ class FrontendConfig:
         return self.served_model_name or os.path.basename(os.path.normpath(self.model))
 
 
-def default_max_tokens(max_model_len: int, block_size: int, kv_blocks: list[int], n_prompt: int) -> int:
+def default_max_tokens(max_model_len: int, block_size: int, kv_blocks: list[int], n_prompt: int,
+                       n: int = 1) -> int:
     """max_tokens when a request gives none: the room left after the prompt, in the model's
-    length and in the smallest KV cache (a paged sequence of L tokens needs ceil(L / block_size)
-    blocks); at least 1 (a prompt that leaves none is refused by `check`)."""
-    fits = min([max_model_len] + [b * block_size for b in kv_blocks if b > 0])
-    return max(fits - n_prompt, 1)
+    length and in the smallest KV cache, for all n completions at once (they share the
+    prompt's full blocks; each needs its own for the rest: the engine's fit check); at least
+    1 (a prompt that leaves none is refused by `check`)."""
+    room = max_model_len - n_prompt
+    shared = n_prompt // block_size
+    for b in kv_blocks:
+        if b > 0:
+            room = min(room, ((b - shared) // n + shared) * block_size - n_prompt)
+    return max(room, 1)
 
 
 class Admission:
@@ -125,14 +131,14 @@ class Frontend:
             raise InvalidRequestError(f"{len(prompts)} prompts in one request exceed the frontend's limit of "
                                       f"{self.cfg.max_num_requests} in flight", param="prompt")
 
-    async def default_max_tokens(self, n_prompt: int) -> int:
+    async def default_max_tokens(self, n_prompt: int, n: int = 1) -> int:
         """A chat request without max_tokens gets what fits: up to max_model_len, and no more
         than one sequence can hold in the smallest live worker's KV cache."""
         try:
             kv = [l.num_kv_blocks for l in (await self.router.live_loads()).values()]
         except Exception:  # no figures (Redis away): the model's limit alone
             kv = []
-        return default_max_tokens(self.cfg.max_model_len, self.cfg.block_size, kv, n_prompt)
+        return default_max_tokens(self.cfg.max_model_len, self.cfg.block_size, kv, n_prompt, n)
 
     def admit(self, count: int = 1) -> Admission:
         if self.in_flight + count > self.cfg.max_num_requests:

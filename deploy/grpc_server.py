@@ -164,11 +164,61 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
                                                    handler.response_serializer)
 
 
+class _Undecodable:
+    """A request body protobuf could not parse: the handler answers INVALID_ARGUMENT (grpcio's
+    own deserializer failing answers UNKNOWN, with no word on what was wrong)."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+def _lenient(parse):
+    def deserialize(data: bytes):
+        try:
+            return parse(data)
+        except Exception as e:  # DecodeError, invalid UTF-8 in a string field
+            return _Undecodable(f"the request is not a valid protobuf message: {type(e).__name__}: {e}"[:300])
+    return deserialize
+
+
+def _guarded(fn, streaming: bool):
+    if streaming:
+        async def handler(request, context):
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
+            async for item in fn(request, context):
+                yield item
+    else:
+        async def handler(request, context):
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
+            return await fn(request, context)
+    return handler
+
+
+def add_generation_servicer(servicer: GenerationServicer, server) -> None:
+    """pb_grpc.add_GenerationServicer_to_server, but a body that does not parse is
+    INVALID_ARGUMENT with its reason."""
+    methods = {  # name: (streaming, request type, response type)
+        "Generate": (False, pb.GenerateRequest, pb.GenerateResponse),
+        "GenerateStream": (True, pb.GenerateRequest, pb.GenerateStreamResponse),
+        "Abort": (False, pb.AbortRequest, pb.AbortResponse),
+        "GetModelInfo": (False, pb.GetModelInfoRequest, pb.ModelInfo),
+    }
+    handlers = {}
+    for name, (streaming, req, resp) in methods.items():
+        make = grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
+        handlers[name] = make(_guarded(getattr(servicer, name), streaming),
+                              request_deserializer=_lenient(req.FromString),
+                              response_serializer=resp.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+
+
 async def start_grpc_server(frontend: Frontend, port: int, host: str = "0.0.0.0") -> grpc.aio.Server:
     """Serves on host:port only (`folio serve --host`), never on every interface unless told."""
     interceptors = [ApiKeyInterceptor(frontend.cfg.api_key)] if frontend.cfg.api_key else []
     server = grpc.aio.server(interceptors=interceptors)
-    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend), server)
+    add_generation_servicer(GenerationServicer(frontend), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,

@@ -165,7 +165,16 @@ def check_text(body) -> None:
                 raise InvalidRequestError("a string holds a lone UTF-16 surrogate", param=top) from None
         elif isinstance(x, dict):
             for k, v in x.items():
-                stack.append((k, top or k))
-                stack.append((v, top or k))
+                where = top or (k if _is_unicode(k) else None)  # a bad key cannot name itself in the reply
+                stack.append((k, where))
+                stack.append((v, where))
         elif isinstance(x, list):
             stack.extend((v, top) for v in x)
+
+
+def _is_unicode(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False

@@ -99,6 +99,8 @@ def serve(args) -> int:
             pass
     finally:
         print(f"folio serve: draining (up to {args.grace_period_s:.0f} s)", flush=True)
+        if cluster.redis is not None:  # a signal to the whole group killed it too: leave it dead
+            cluster.redis.stop_supervising()
         cluster.drain(args.grace_period_s)  # in-flight requests finish through the frontends
         if frontends:
             from ray import serve as ray_serve

@@ -59,6 +59,7 @@ async def read_json(request: Request, limit: int):
     """The body as JSON: 413 past `limit` bytes (from Content-Length, and counted while a chunked
     body arrives), 400 for anything that is not a JSON object (nesting too deep included)."""
     length = request.headers.get("content-length")
+    length = None if length is None else length.strip(" \t")  # HTTP allows white space around it
     if length is not None and (not length.isdigit() or int(length) > limit):
         raise oai.HTTPError(413, f"the body is larger than the limit of {limit} bytes", "invalid_request_error",
                             "body_too_large")

@@ -300,3 +300,72 @@ def test_offline_llm_shares_the_bounds():
             SamplingParams(**bad)
         assert e.value.param == next(iter(bad)), (bad, e.value.param)
     assert SamplingParams(seed=2**64 - 1, n=3).completion_seed(2) == 1
+
+
+# ---- found by attacking the server (red team) ---------------------------------------------
+def test_a_lone_surrogate_in_a_key_is_400(folio_server):
+    for key in ('"\\ud800"', '"\\ud800x"'):  # the bad string is the top-level key itself
+        raw = ('{"prompt": "hi", "max_tokens": 1, ' + key + ': 1}').encode()
+        err = error_of(*post(folio_server, "/v1/completions", raw))
+        assert err["param"] is None and "surrogate" in err["message"]
+
+
+def test_a_prompt_list_that_can_never_be_admitted_is_refused_before_any_work(folio_server):
+    # 50,000 text prompts: tokenized one by one they took seconds per thousand; refused at once
+    t0 = time.monotonic()
+    err = error_of(*post(folio_server, "/v1/completions", {"prompt": ["a"] * 50_000, "max_tokens": 1}))
+    assert err["param"] == "prompt" and "50000 prompts" in err["message"]
+    err = error_of(*post(folio_server, "/v1/completions", {"prompt": [[1]] * 50_000, "max_tokens": 1}))
+    assert err["param"] == "prompt"
+    err = error_of(*post(folio_server, "/v1/completions", {"prompt": [1] * 100_000, "max_tokens": 1}))
+    assert err["param"] == "prompt" and "100000 tokens" in err["message"]
+    assert time.monotonic() - t0 < 30  # a generous bound: tokenizing 50,000 prompts took minutes on 2 cores
+
+
+def test_content_length_with_white_space_is_read(folio_server):
+    data = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
+    status, body = post(folio_server, "/v1/completions", data, {**HEADERS, "Content-Length": f"{len(data)} "})
+    assert status == 200, body
+
+
+def test_n_completions_that_cannot_fit_the_kv_cache_whole_are_400(folio_server):
+    # 48 blocks of 8 tokens: 8 completions of up to 200 tokens can never all be held at once (they
+    # would preempt each other forever and starve every other request on the worker)
+    err = error_of(*post(folio_server, "/v1/completions", {"prompt": "hog", "n": 8, "max_tokens": 200,
+                                                           "ignore_eos": True}))
+    assert err["param"] == "max_tokens" and "never fit" in err["message"]
+    status, body = post(folio_server, "/v1/completions", {"prompt": "ok", "n": 2, "max_tokens": 8})
+    assert status == 200 and len(body["choices"]) == 2, body
+
+
+def test_default_max_tokens_leaves_room_for_every_completion():
+    assert default_max_tokens(256, 8, [48], 10) == 246  # the model's length binds
+    for n in range(1, 9):
+        t = default_max_tokens(256, 8, [48], 10, n)
+        per_seq = -(-(10 + t) // 8)
+        assert per_seq + (n - 1) * (per_seq - 10 // 8) <= 48  # the engine's fit check passes
+        assert per_seq + 1 + (n - 1) * (per_seq + 1 - 10 // 8) > 48 or t == 246  # and no more room
+
+
+def test_offline_llm_refuses_n_that_cannot_fit(model_dirs):
+    from folio.worker import LLM
+
+    llm = LLM(model_dirs["llama"], block_size=8, num_kv_blocks=16, max_model_len=256)
+    with pytest.raises(InvalidRequestError, match="never fit"):
+        llm.generate(["x = 1"], SamplingParams(n=4, max_tokens=60, ignore_eos=True))
+    out = llm.generate(["x = 1"], SamplingParams(n=2, max_tokens=20, ignore_eos=True))
+    assert [len(c.token_ids) for c in out[0].outputs] == [20, 20]
+    llm.engine.check_invariants()
+
+
+@pytest.mark.parametrize("raw", [b"\xff\xff\xff\xff", b"\x0a\x03h\xffi"])  # not protobuf; invalid UTF-8 text
+@pytest.mark.parametrize("method", ["Generate", "GenerateStream"])
+def test_grpc_bodies_that_do_not_parse_are_invalid_argument(folio_server, raw, method):
+    with grpc.insecure_channel(folio_server["grpc"]) as ch:
+        path = f"/folio.v1.Generation/{method}"
+        call = (ch.unary_stream if method == "GenerateStream" else ch.unary_unary)(
+            path, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        with pytest.raises(grpc.RpcError) as e:
+            r = call(raw, metadata=AUTH, timeout=30)
+            list(r) if method == "GenerateStream" else r
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "protobuf" in e.value.details()

@@ -107,10 +107,15 @@ class LLMEngine:
             raise InvalidRequestError(f"the prompt has {n_prompt} tokens; max_model_len is {self.max_model_len}, "
                                       "which leaves no room for a generated token")
         max_len = min(n_prompt + params.max_tokens, self.max_model_len)
-        need = self.kv.max_blocks_per_seq(max_len)
+        # all n completions at their longest at once: they share the prompt's full blocks (paged)
+        # and need their own for the rest; a request that cannot fit whole would thrash the cache
+        # forever, preempting its own completions and starving every other request
+        per_seq = self.kv.max_blocks_per_seq(max_len)
+        shared = n_prompt // self.config.block_size if self.config.kv_manager == "paged" else 0
+        need = per_seq + (params.n - 1) * (per_seq - shared)
         if need > self.num_kv_blocks:
-            raise InvalidRequestError(f"the request needs up to {need} KV blocks ({max_len} tokens) but the "
-                                      f"cache holds {self.num_kv_blocks}: it can never fit")
+            raise InvalidRequestError(f"the request needs up to {need} KV blocks ({params.n} x {max_len} tokens) "
+                                      f"but the cache holds {self.num_kv_blocks}: it can never fit", param="max_tokens")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         group = SequenceGroup(request_id, token_ids, params, arrival, priority, text)
         self.groups[request_id] = group
