@@ -26,7 +26,8 @@ def _add_make_tiny(sub) -> None:
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate offline from a local checkpoint")
     p.add_argument("prompts", nargs="+")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="a Hugging Face checkpoint directory or a GGUF file")
+    p.add_argument("--tokenizer", default=None, help="the tokenizer's directory (default: the model's own)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             llm = LLM(args.model, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                      dtype=args.dtype, kv_manager=args.kv_manager)
+                      dtype=args.dtype, kv_manager=args.kv_manager, tokenizer=args.tokenizer)
             params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                     top_p=args.top_p, top_k=args.top_k, seed=args.seed, n=args.n,
                                     ignore_eos=args.ignore_eos)

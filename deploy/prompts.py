@@ -38,9 +38,9 @@ def plain_chat_prompt(messages: list[dict]) -> str:
 
 class Prompts:
     def __init__(self, model_dir: str, max_model_len: int, vocab_size: int | None = None) -> None:
-        from transformers import AutoTokenizer
+        from folio.worker.detokenizer import load_tokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)  # a checkpoint directory or a GGUF file
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size or len(self.tokenizer)
         self.max_token_chars = max([len(t) for t in self.tokenizer.get_vocab()] + [1])

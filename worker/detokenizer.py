@@ -10,9 +10,15 @@ _PROMPT_CONTEXT = 4  # prompt tokens fed to the stream so the first output token
 
 
 def load_tokenizer(path: str):
-    """The checkpoint's own tokenizer (a fast one: its backend drives the streams below)."""
+    """The checkpoint's own tokenizer (a fast one: its backend drives the streams below); a GGUF
+    file's is built from its metadata, chat template included."""
     from transformers import AutoTokenizer  # heavy import, only when an engine is built
 
+    from folio.worker.models import gguf_loader
+
+    gguf_file = gguf_loader.find_gguf(path)
+    if gguf_file is not None:
+        return gguf_loader.load_tokenizer(gguf_file)
     return AutoTokenizer.from_pretrained(path)
 
 

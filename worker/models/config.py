@@ -11,6 +11,8 @@ from folio.worker.models.rope import SUPPORTED_ROPE_TYPES
 
 # architecture -> (qkv bias, o_proj bias) rule; Llama reads `attention_bias` for both
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# a config.json without "architectures" names its family by model_type, as transformers reads it
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 @dataclass
@@ -36,6 +38,13 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str) -> "ModelConfig":
+        """From a Hugging Face directory's config.json, or from a GGUF file's metadata (a .gguf file,
+        or a directory without config.json that holds one)."""
+        from folio.worker.models import gguf_loader
+
+        gguf_file = gguf_loader.find_gguf(path)
+        if gguf_file is not None:
+            return cls.from_dict(gguf_loader.config_dict(gguf_file))
         cfg_path = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_path):
             raise ModelLoadError(f"no config.json in {path!r}: not a Hugging Face checkpoint directory")
@@ -47,6 +56,8 @@ class ModelConfig:
     def from_dict(cls, c: dict) -> "ModelConfig":
         archs = c.get("architectures") or []
         arch = next((a for a in archs if a in ARCHITECTURES), None)
+        if not archs:
+            arch = MODEL_TYPES.get(c.get("model_type"))
         if arch is None:
             raise ModelLoadError(
                 f"unsupported architecture {archs or c.get('model_type')!r}; Folio runs {', '.join(ARCHITECTURES)}")

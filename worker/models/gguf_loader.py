@@ -1,0 +1,250 @@
+"""Load a llama.cpp GGUF checkpoint: its config, its weights (dequantized at load) and its tokenizer.
+
+A GGUF file carries everything a Hugging Face directory does: the shape in its metadata
+(`llama.block_count`, ...), the tokenizer and chat template (`tokenizer.ggml.*`, `tokenizer.chat_template`)
+and the tensors under llama.cpp's names, possibly quantized. This module turns them into what
+`loader.load_model` expects: a ModelConfig and a state dict under Hugging Face names, float32.
+
+llama.cpp's converter permutes the rows of Llama's Q and K projections (it rotates pairs of
+adjacent dimensions, HF rotates the two halves of a head); `_unpermute` undoes that.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import numpy as np
+import torch
+
+from folio.worker.errors import ModelLoadError
+
+GGUF_MAGIC = b"GGUF"
+# GGUF architecture -> (the HF architecture, Q/K rows permuted by the converter)
+GGUF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "mistral": ("MistralForCausalLM", True),
+                      "qwen2": ("Qwen2ForCausalLM", False)}
+
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+_LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj"}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# llama.cpp rope.scaling.type -> Folio's rope_type
+_ROPE_TYPES = {"none": "default", "linear": "linear", "yarn": "yarn"}
+
+
+def find_gguf(path: str) -> str | None:
+    """The GGUF file `path` names: a file, or a directory without config.json that holds one .gguf.
+    None for a Hugging Face directory (it has a config.json)."""
+    if os.path.isfile(path):
+        return path
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    found = sorted(n for n in os.listdir(path) if n.endswith(".gguf"))
+    if len(found) > 1:
+        raise ModelLoadError(f"{path!r} holds several GGUF files ({', '.join(found)}): name one of them")
+    return os.path.join(path, found[0]) if found else None
+
+
+_readers: dict[tuple, object] = {}  # (path, size, mtime) -> reader: parsing the metadata takes seconds
+
+
+def open_gguf(path: str):
+    """A gguf.GGUFReader on `path`; any defect of the file (magic, version, truncation) is a ModelLoadError.
+    One reader per file and version (a read-only memory map): the config, the weights and the tokenizer
+    all read it."""
+    st = os.stat(path)
+    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    if key not in _readers:
+        _readers.clear()  # one file at a time: a process serves one model
+        _readers[key] = _open(path)
+    return _readers[key]
+
+
+def _open(path: str):
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"{path!r} is not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except Exception as e:  # a header that does not parse, tensors past the end of the file
+        raise ModelLoadError(f"cannot read GGUF file {path!r} (truncated or corrupt?): {e}") from e
+    size = os.path.getsize(path)
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+            raise ModelLoadError(f"GGUF file {path!r} is truncated: tensor {t.name!r} ends past the file's end")
+    return reader
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None or not f.data:
+        return default
+    vals = [f.parts[i] for i in f.data]
+    import gguf
+
+    def one(v):
+        if f.types and f.types[-1] == gguf.GGUFValueType.STRING:
+            return bytes(v).decode("utf-8")
+        return v.tolist()[0]
+    if f.types and f.types[0] == gguf.GGUFValueType.ARRAY:
+        return [one(v) for v in vals]
+    return one(vals[0])
+
+
+def architecture(reader, path: str) -> tuple[str, str, bool]:
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"GGUF file {path!r}: unsupported architecture {arch!r}; "
+                             f"Folio runs {', '.join(GGUF_ARCHITECTURES)}")
+    return (arch, *GGUF_ARCHITECTURES[arch])
+
+
+def config_dict(path: str, reader=None) -> dict:
+    """The file's metadata as a Hugging Face config.json dict (ModelConfig.from_dict reads it)."""
+    reader = reader or open_gguf(path)
+    arch, hf_arch, _ = architecture(reader, path)
+
+    def get(key: str, default=None, required: bool = True):
+        v = _field(reader, f"{arch}.{key}", default)
+        if v is None and required:
+            raise ModelLoadError(f"GGUF file {path!r} lacks the metadata {arch}.{key}")
+        return v
+
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ModelLoadError(f"GGUF file {path!r}: per-frequency RoPE factors (rope_freqs) are not supported")
+    heads, hidden = get("attention.head_count"), get("embedding_length")
+    vocab = get("vocab_size", required=False) or len(_field(reader, "tokenizer.ggml.tokens", []) or [])
+    if not vocab:
+        raise ModelLoadError(f"GGUF file {path!r} has neither {arch}.vocab_size nor a tokenizer vocabulary")
+    rope = {"rope_theta": float(get("rope.freq_base", 10000.0))}
+    kind = get("rope.scaling.type", "none")
+    if kind not in _ROPE_TYPES:
+        raise ModelLoadError(f"GGUF file {path!r}: RoPE scaling {kind!r} is not supported")
+    rope["rope_type"] = _ROPE_TYPES[kind]
+    if kind != "none":
+        rope["factor"] = float(get("rope.scaling.factor"))
+        orig = get("rope.scaling.original_context_length", required=False)
+        if orig:
+            rope["original_max_position_embeddings"] = int(orig)
+    key_len = get("attention.key_length", required=False)
+    return {
+        "architectures": [hf_arch],
+        "model_type": arch,
+        "vocab_size": int(vocab),
+        "hidden_size": int(hidden),
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": int(heads),
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": int(key_len or get("rope.dimension_count", None, required=False) or hidden // heads),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon")),
+        "rope_parameters": rope,
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+    }
+
+
+# ---- dequantization ----------------------------------------------------------------------
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """Little-endian float16 from a (..., 2) uint8 tensor, as float32."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """(n, 16) packed bytes -> (n, 32): the low nibbles are elements 0..15, the high ones 16..31."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def _q8_0(blocks: torch.Tensor) -> torch.Tensor:  # 2-byte scale, 32 int8
+    return _f16(blocks[:, :2]) * blocks[:, 2:].contiguous().view(torch.int8).float()
+
+
+def _q4_0(blocks: torch.Tensor) -> torch.Tensor:  # 2-byte scale, 16 bytes of 4-bit (q - 8)
+    return _f16(blocks[:, :2]) * (_nibbles(blocks[:, 2:]).float() - 8.0)
+
+
+def _q4_1(blocks: torch.Tensor) -> torch.Tensor:  # 2-byte scale, 2-byte min, 16 bytes of 4-bit q
+    return _f16(blocks[:, :2]) * _nibbles(blocks[:, 4:]).float() + _f16(blocks[:, 2:4])
+
+
+_BLOCK_DEQUANT = {"Q8_0": (34, _q8_0), "Q4_0": (18, _q4_0), "Q4_1": (20, _q4_1)}
+
+
+def dequantize(t) -> torch.Tensor:
+    """A gguf ReaderTensor as a float32 torch tensor in PyTorch's (row-major) shape."""
+    import gguf
+
+    kind = t.tensor_type.name
+    shape = tuple(reversed([int(d) for d in t.shape]))
+    raw = np.asarray(t.data)
+    if kind in ("F32", "F16"):
+        return torch.from_numpy(raw.astype(np.float32)).reshape(shape)
+    if kind == "BF16":
+        bits = torch.from_numpy(raw.reshape(-1).copy()).view(torch.int16).to(torch.int32) << 16
+        return bits.view(torch.float32).reshape(shape)
+    if kind in _BLOCK_DEQUANT:
+        size, fn = _BLOCK_DEQUANT[kind]
+        blocks = torch.from_numpy(raw.reshape(-1).copy()).reshape(-1, size)
+        return fn(blocks).reshape(shape)
+    try:  # the K-quants and the rest: gguf's own numpy dequantizers
+        return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, t.tensor_type),
+                                                     dtype=np.float32)).reshape(shape)
+    except NotImplementedError as e:
+        raise ModelLoadError(f"tensor {t.name!r}: GGUF type {kind} cannot be dequantized: {e}") from e
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K permutation. Its converter stored each head's rows, seen as (2 halves, d/2),
+    transposed to (d/2, 2): the halves' rows interleaved. Read them back as (d/2, 2) and transpose."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def hf_name(name: str) -> str | None:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _LAYER_RE.match(name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        return None
+    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def load_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """The file's tensors under Hugging Face names, dequantized to float32, Q/K un-permuted."""
+    reader = open_gguf(path)
+    arch, _, permuted = architecture(reader, path)
+    cfg = config_dict(path, reader)
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    sd: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            raise ModelLoadError(f"GGUF file {path!r}: tensor {t.name!r} has no place in a {arch} model")
+        w = dequantize(t)
+        if permuted and ".q_proj." in name:
+            w = _unpermute(w, heads)
+        elif permuted and ".k_proj." in name:
+            w = _unpermute(w, kv_heads)
+        sd[name] = w
+    return sd
+
+
+def load_tokenizer(path: str):
+    """The tokenizer (with its chat template) that transformers builds from the file's metadata."""
+    from transformers import AutoTokenizer
+
+    open_gguf(path)  # a clear error before transformers reads it
+    try:
+        return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+    except Exception as e:
+        raise ModelLoadError(f"cannot build a tokenizer from GGUF file {path!r}: {e}") from e
