@@ -42,6 +42,8 @@ class ModelConfig:
         or a directory without config.json that holds one)."""
         from folio.worker.models import gguf_loader
 
+        if not os.path.exists(path):
+            raise ModelLoadError(f"{path!r} does not exist: give a checkpoint directory or a GGUF file")
         gguf_file = gguf_loader.find_gguf(path)
         if gguf_file is not None:
             return cls.from_dict(gguf_loader.config_dict(gguf_file))
