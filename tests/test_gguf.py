@@ -202,3 +202,58 @@ def test_smollm2_matches_hf(smollm2_hf, block_size, num_kv_blocks, swap):
     else:
         assert "Paris" in outs[2].outputs[0].text
     llm.engine.check_invariants()
+
+
+# ---- a tiny checkpoint written to GGUF as llama.cpp's converter does, against its safetensors ------
+def _to_gguf(model_dir: str, path: str, arch: str) -> str:
+    """llama.cpp's conversion of a tiny HF checkpoint: its names, Q/K rows permuted for Llama, float32."""
+    from folio.worker.models.loader import load_state_dict
+
+    c = json.load(open(os.path.join(model_dir, "config.json")))
+    heads, kv = c["num_attention_heads"], c["num_key_value_heads"]
+    to_gguf = {v: k for k, v in gguf_loader._GLOBAL_NAMES.items()}
+    layer = {v: k for k, v in gguf_loader._LAYER_NAMES.items()}
+    wr = gguf.GGUFWriter(path, arch)
+    wr.add_block_count(c["num_hidden_layers"]), wr.add_context_length(c["max_position_embeddings"])
+    wr.add_embedding_length(c["hidden_size"]), wr.add_feed_forward_length(c["intermediate_size"])
+    wr.add_head_count(heads), wr.add_head_count_kv(kv), wr.add_vocab_size(c["vocab_size"])
+    wr.add_rope_freq_base(c["rope_parameters"]["rope_theta"]), wr.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    for name, w in load_state_dict(model_dir).items():
+        if name in to_gguf:
+            g = to_gguf[name]
+        else:
+            _, _, i, *mid, kind = name.split(".")
+            g = f"blk.{i}.{layer['.'.join(mid)]}.{kind}"
+        if arch == "llama" and (".attn_q." in g or ".attn_k." in g):
+            n = heads if ".attn_q." in g else kv
+            w = w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+        wr.add_tensor(g, w.float().contiguous().numpy())
+    wr.write_header_to_file(), wr.write_kv_data_to_file(), wr.write_tensors_to_file(), wr.close()
+    return path
+
+
+@pytest.mark.parametrize("arch,gguf_arch", [("mistral", "llama"), ("qwen2", "qwen2")])
+def test_tiny_gguf_matches_its_safetensors(model_dirs, tmp_path, arch, gguf_arch):
+    # mistral: untied output.weight, GQA 4/1, permuted Q/K; qwen2: tied, Q/K/V biases, not permuted
+    src = model_dirs[arch]
+    path = _to_gguf(src, str(tmp_path / f"{arch}.gguf"), gguf_arch)
+    c = ModelConfig.from_dir(path)
+    assert c.tie_word_embeddings == (arch == "qwen2") and c.qkv_bias == (arch == "qwen2")
+    from tests.conftest import PROMPTS
+
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    want = LLM(src, num_kv_blocks=256).generate(PROMPTS, params)
+    got = LLM(path, tokenizer=src, num_kv_blocks=256).generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_folio_generate_gguf(model_dirs, tmp_path, capsys):
+    from folio.deploy.cli import main
+
+    path = _to_gguf(model_dirs["mistral"], str(tmp_path / "m.gguf"), "llama")
+    assert main(["generate", "--model", path, "--tokenizer", model_dirs["mistral"], "--max-tokens", "4", "x = 1"]) == 0
+    assert "'x = 1' ->" in capsys.readouterr().out
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"NOPE" * 8)
+    assert main(["generate", "--model", str(bad), "x"]) == 2
+    assert "not a GGUF file" in capsys.readouterr().err
