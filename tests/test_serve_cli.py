@@ -57,4 +57,4 @@ def test_serve_rejects_bad_arguments_clearly(model_dirs, args, message):
 
 def test_serve_rejects_a_missing_model():
     r = subprocess.run(folio("serve", "--model", "/nonexistent/model"), capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and "no config.json" in r.stderr
+    assert r.returncode == 2 and "does not exist" in r.stderr
