@@ -259,7 +259,11 @@ def test_killed_worker_fails_or_reroutes_its_requests_and_is_restarted(cluster, 
         registered_s = time.monotonic() - t_kill
         pinned = await run(rr, GenerateRequest("after", *probe), worker_id="w1")
         serving_s = time.monotonic() - t_kill
-        routed = [await rr.pick(GenerateRequest(f"p{i}", *probe)) for i in range(4)]
+        routed = []  # the router picks w1 again once its load snapshot holds w1's new heartbeat
+        deadline = time.monotonic() + 15
+        while "w1" not in routed and time.monotonic() < deadline:
+            routed.append(await rr.pick(GenerateRequest(f"p{len(routed)}", *probe)))
+            await asyncio.sleep(0.1)  # lets the background refresh of the loads run
         return results, fresh, fail_s, registered_s, pinned, serving_s, routed
     results, fresh, fail_s, registered_s, pinned, serving_s, routed = asyncio.run(main())
     print(f"kill -> in-flight failed {fail_s} s, registered {registered_s:.2f} s, serving {serving_s:.2f} s")
