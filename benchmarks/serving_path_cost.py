@@ -3,7 +3,8 @@
 
 - inprocess: `EngineWorker` in this process, its streams read directly;
 - ray: `EngineWorker` as a Ray actor (as `folio serve` runs it), streams read through
-  `RayWorkerClient` (one Ray streaming call per request, one object per chunk);
+  `RayWorkerClient` (one channel to the worker: submits and aborts in ordered batches,
+  one Ray message per step for all of the client's requests);
 - serve-grpc: `folio serve --num-workers 1`, streams read over gRPC by `folio bench`
   (adds the Serve replica, where the gRPC server runs: one more process per token);
 - serve: the same over HTTP (adds the replica and Serve's HTTP proxy: two more).

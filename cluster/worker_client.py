@@ -10,18 +10,30 @@ export on src (the request leaves its engine; its stream stays open), import on 
 and only then src ends the stream with `migrated_to=dst` (finish_migration). If dst
 refuses or dies, src takes the request back on the same stream (cancel_migration).
 
+Through Ray, a frontend's requests on one worker share one channel (`_Channel`): its
+submits, aborts and attaches go out in order as batches (`commands`, one call in flight,
+awaited), and every chunk of all of them comes back on one `subscribe` stream, one Ray
+message per worker step. A reader that leaves queues its abort on that channel at once
+(no await, nothing to lose), behind its own submit: the worker cannot miss it.
+
 Errors come out as Folio's own: InvalidRequestError from the worker as is, a dead
 worker as WorkerDiedError (an UnavailableError).
 """
 
 from __future__ import annotations
 
+import asyncio
+import uuid
+import weakref
+from collections import deque
 from typing import AsyncIterator, Protocol
 
-from folio.worker.errors import FolioError, UnavailableError
-from folio.worker.messages import GenerateRequest, StreamChunk
+from folio.worker.errors import FolioError, InvalidRequestError, UnavailableError
+from folio.worker.messages import GenerateRequest, StreamChunk, merge_chunks
+from folio.worker.outbox import terminal
 
-STREAM_BACKPRESSURE = 2  # chunks a worker may have in flight to one reader before its stream pauses
+STREAM_BACKPRESSURE = 2  # messages a worker may have in flight to a channel before its stream pauses
+CLOSE_FLUSH_S = 5.0  # a closing channel sends what it still holds (aborts) for this long
 
 
 class WorkerDiedError(UnavailableError):
@@ -42,13 +54,14 @@ def actor_name(namespace: str, wid: str) -> str:
 
 
 class RayWorkerClient:
-    """Workers are named Ray actors; a stream is an actor async generator read without
-    blocking (`async for ref in gen: await ref`)."""
+    """Workers are named Ray actors, reached through one `_Channel` per (event loop, worker):
+    a request's stream is its share of the channel's subscription, demultiplexed here."""
 
     def __init__(self, namespace: str = "folio", ray_namespace: str | None = None) -> None:
         self.namespace = namespace
         self.ray_namespace = ray_namespace
         self._handles: dict = {}
+        self._channels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> {wid: _Channel}
 
     def handle(self, wid: str):
         import ray
@@ -62,43 +75,24 @@ class RayWorkerClient:
             self._handles[wid] = h
         return h
 
-    async def _stream(self, wid: str, method: str, arg) -> AsyncIterator[StreamChunk]:
-        import ray
+    async def generate(self, wid: str, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
+        async for chunk in self._channel(wid).stream(req.request_id, ("submit", req)):
+            yield chunk
 
-        # backpressure: the worker's stream pauses while 2 chunks wait unread here, so steps that
-        # finish meanwhile queue on the worker and travel merged as one chunk (actor.py)
-        gen = getattr(self.handle(wid), method).options(
-            num_returns="streaming", _generator_backpressure_num_objects=STREAM_BACKPRESSURE).remote(arg)
-        finished = False
-        try:
-            async for ref in gen:
-                try:
-                    chunk = await ref
-                except ray.exceptions.RayTaskError as e:
-                    finished = True
-                    raise _unwrap(e) from None
-                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-                    finished = True
-                    self._handles.pop(wid, None)
-                    raise WorkerDiedError(wid, type(e).__name__) from None
-                finished = chunk.finished or chunk.migrated_to is not None
-                yield chunk
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-            finished = True
-            self._handles.pop(wid, None)
-            raise WorkerDiedError(wid, type(e).__name__) from None
-        finally:
-            if not finished:  # the caller went away: cancel the actor task (it aborts the request)
-                try:
-                    ray.cancel(gen)
-                except Exception:
-                    pass
+    async def attach(self, wid: str, request_id: str) -> AsyncIterator[StreamChunk]:
+        async for chunk in self._channel(wid).stream(request_id, ("attach", request_id)):
+            yield chunk
 
-    def generate(self, wid: str, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
-        return self._stream(wid, "generate", req)
+    def _channel(self, wid: str) -> "_Channel":
+        per_loop = self._channels.setdefault(asyncio.get_running_loop(), {})
+        ch = per_loop.get(wid)
+        if ch is None or ch.dead is not None:
+            ch = per_loop[wid] = _Channel(self, wid)
+        return ch
 
-    def attach(self, wid: str, request_id: str) -> AsyncIterator[StreamChunk]:
-        return self._stream(wid, "attach", request_id)
+    def _live_channel(self, wid: str) -> "_Channel | None":
+        ch = self._channels.get(asyncio.get_running_loop(), {}).get(wid)
+        return ch if ch is not None and ch.dead is None else None
 
     async def _call(self, wid: str, method: str, *args):
         import ray
@@ -112,6 +106,9 @@ class RayWorkerClient:
             raise WorkerDiedError(wid, type(e).__name__) from None
 
     async def abort(self, wid: str, request_id: str) -> bool:
+        ch = self._live_channel(wid)
+        if ch is not None:  # behind whatever this frontend sent there before (its submit)
+            return bool(await ch.call(("abort", request_id)))
         return await self._call(wid, "abort", request_id)
 
     async def move(self, src: str, dst: str, request_id: str, preempt: tuple[str, ...] = ()) -> None:
@@ -119,6 +116,167 @@ class RayWorkerClient:
         through the object store (the ObjectRef is passed on, never fetched here)."""
         state_ref = self.handle(src).export_request.remote(request_id, dst)
         await _settle(self._call, src, dst, request_id, state_ref, preempt)
+
+
+class _Inbox:
+    """One request's chunks at the frontend, merged while its reader is behind."""
+
+    def __init__(self) -> None:
+        self.items: deque = deque()
+        self.ready = asyncio.Event()
+
+    def put(self, item) -> None:
+        last = self.items[-1] if self.items else None
+        if (isinstance(last, StreamChunk) and isinstance(item, StreamChunk) and not terminal(last)
+                and item.migrated_to is None):
+            self.items[-1] = merge_chunks(last, item)
+        else:
+            self.items.append(item)
+        self.ready.set()
+
+    async def get(self):
+        while not self.items:
+            self.ready.clear()
+            await self.ready.wait()
+        return self.items.popleft()
+
+
+class _Channel:
+    """This frontend's (event loop's) channel to one worker: an ordered sender of command
+    batches and one reader of the worker's `subscribe` stream, demultiplexed per request.
+    If either side sees the worker die, every request on it gets WorkerDiedError and the
+    next request opens a new channel."""
+
+    def __init__(self, client: RayWorkerClient, wid: str) -> None:
+        self.client, self.wid = client, wid
+        self.subscriber = f"fe-{uuid.uuid4().hex[:16]}"
+        self.inboxes: dict[str, _Inbox] = {}
+        self.outgoing: list = []  # (message, future or None), not yet sent
+        self.wake = asyncio.Event()
+        self.dead: BaseException | None = None
+        loop = asyncio.get_running_loop()
+        self.reader = loop.create_task(self._read())
+        self.sender = loop.create_task(self._send_loop())
+
+    def send(self, msg) -> None:
+        """Queue a message (no await: safe in a `finally`); the sender keeps the order."""
+        self.outgoing.append((msg, None))
+        self.wake.set()
+
+    async def call(self, msg):
+        fut = asyncio.get_running_loop().create_future()
+        self.outgoing.append((msg, fut))
+        self.wake.set()
+        return await fut
+
+    async def stream(self, rid: str, msg) -> AsyncIterator[StreamChunk]:
+        if self.dead is not None:
+            raise self.dead
+        if rid in self.inboxes:
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
+        box = self.inboxes[rid] = _Inbox()
+        self.send(msg)
+        finished = False
+        try:
+            while True:
+                item = await box.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished or item.migrated_to is not None
+                yield item
+                if finished:
+                    return
+        finally:
+            if self.inboxes.get(rid) is box:
+                del self.inboxes[rid]
+            if not finished and self.dead is None:  # the reader left: free its blocks
+                self.send(("abort", rid))
+
+    async def _send_loop(self) -> None:
+        try:
+            while True:
+                while not self.outgoing:
+                    self.wake.clear()
+                    await self.wake.wait()
+                batch, self.outgoing = self.outgoing, []
+                try:
+                    results = await self.client._call(self.wid, "commands", self.subscriber, [m for m, _ in batch])
+                except WorkerDiedError as e:
+                    self._fail_batch(batch, e)
+                    self._break(e)
+                    return
+                except Exception as e:  # not one message was applied: each of them fails
+                    self._fail_batch(batch, e)
+                    continue
+                for (_, fut), res in zip(batch, results):
+                    if fut is not None and not fut.done():
+                        fut.set_result(res)
+        except asyncio.CancelledError:  # the event loop is closing: what is queued still goes out
+            pending, self.outgoing = self.outgoing, []
+            self._break(WorkerDiedError(self.wid, "the frontend's channel closed"))
+            if pending:
+                try:
+                    await asyncio.wait_for(self.client._call(self.wid, "commands", self.subscriber,
+                                                             [m for m, _ in pending]), CLOSE_FLUSH_S)
+                except BaseException:
+                    pass
+            raise
+
+    def _fail_batch(self, batch: list, err: BaseException) -> None:
+        for (kind, arg), fut in batch:
+            if fut is not None and not fut.done():
+                fut.set_exception(err)
+            elif kind in ("submit", "attach"):
+                box = self.inboxes.get(arg.request_id if kind == "submit" else arg)
+                if box is not None:
+                    box.put(err)
+
+    async def _read(self) -> None:
+        import ray
+
+        gen = None
+        try:
+            gen = self.client.handle(self.wid).subscribe.options(
+                num_returns="streaming", _generator_backpressure_num_objects=STREAM_BACKPRESSURE).remote(
+                self.subscriber)
+            async for ref in gen:
+                for rid, item in await ref:
+                    box = self.inboxes.get(rid)
+                    if box is not None:
+                        box.put(item)
+            err: BaseException = WorkerDiedError(self.wid, "its stream ended")
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            self.client._handles.pop(self.wid, None)
+            err = WorkerDiedError(self.wid, type(e).__name__)
+        except ray.exceptions.RayTaskError as e:
+            err = _unwrap(e)
+        except WorkerDiedError as e:
+            err = e
+        except asyncio.CancelledError:
+            if gen is not None:
+                try:
+                    ray.cancel(gen)  # the worker aborts this subscriber's requests
+                except Exception:
+                    pass
+            self._break(WorkerDiedError(self.wid, "the frontend's channel closed"))
+            raise
+        self._break(err)
+
+    def _break(self, err: BaseException) -> None:
+        if self.dead is not None:
+            return
+        self.dead = err
+        for box in self.inboxes.values():
+            box.put(err)
+        for _, fut in self.outgoing:
+            if fut is not None and not fut.done():
+                fut.set_exception(err)
+        # the aborts stay: a closing sender still sends them
+        self.outgoing = [(m, None) for m, fut in self.outgoing if fut is None and m[0] == "abort"]
+        for t in (self.reader, self.sender):
+            if t is not asyncio.current_task() and not t.done():
+                t.cancel()
 
 
 class LocalWorkerClient:

@@ -124,6 +124,54 @@ def test_a_slow_reader_gets_the_steps_it_missed_merged_into_one_chunk(model, off
     asyncio.run(main())
 
 
+def test_a_frontends_channel_batches_its_requests_and_orders_its_aborts(model, offline, tokenizer):
+    """commands + subscribe (what RayWorkerClient uses): one message per wake-up carries
+    several requests' chunks; an abort in the same batch as its submit wins; a duplicate
+    id is refused on the stream; closing the stream aborts what still runs."""
+    w = make_worker(model, "w0")
+
+    async def main():
+        reqs = [GenerateRequest(f"r{i}", tokenizer(p).input_ids, SamplingParams(**GREEDY)) for i, p in enumerate(PROMPTS)]
+        long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        sub = w.subscribe("fe-1")
+        assert await w.commands("fe-1", [("submit", r) for r in reqs] + [
+            ("submit", reqs[0]), ("submit", GenerateRequest("gone", [5, 6, 7], long)), ("abort", "gone")]) == \
+            [None] * (len(reqs) + 2) + [True]
+        tokens, done, sizes, errors, gone = {}, set(), [], [], []
+        while len(done) < len(reqs) + 1:
+            batch = await sub.__anext__()
+            sizes.append(len({rid for rid, _ in batch}))
+            for rid, item in batch:
+                if isinstance(item, BaseException):
+                    errors.append((rid, item))
+                    continue
+                if rid == "gone":
+                    gone.append(item)
+                else:
+                    tokens.setdefault(rid, []).extend(t for d in item.deltas for t in d.token_ids)
+                if item.finished:
+                    done.add(rid)
+        for r, p in zip(reqs, PROMPTS):
+            assert tokens[r.request_id] == offline[p]
+        assert [(rid, type(e)) for rid, e in errors] == [("r0", InvalidRequestError)]
+        assert gone[-1].deltas[0].finish_reason == "abort" and sum(len(d.token_ids) for c in gone for d in c.deltas) < 5
+        assert max(sizes) > 1, "a step's outputs for several requests should share a message"
+        gen0 = await w._call(lambda e: e.num_generated_tokens)
+        await w.commands("fe-1", [("submit", GenerateRequest("long", tokenizer(PROMPTS[0]).input_ids, long))])
+        await sub.__anext__()
+        await sub.aclose()  # the frontend went away
+        for _ in range(200):
+            st = await w.stats()
+            if st["num_streams"] == 0 and st["num_free_blocks"] == st["num_kv_blocks"]:
+                break
+            await asyncio.sleep(0.01)
+        assert st["num_streams"] == 0 and st["num_free_blocks"] == st["num_kv_blocks"] and st["num_subscribers"] == 0
+        assert await w._call(lambda e: e.num_generated_tokens) - gen0 < 150, "the request ran on after the close"
+        await w.check_invariants()
+
+    asyncio.run(main())
+
+
 def test_merge_chunks_unit():
     from folio.worker.messages import CompletionDelta, StreamChunk, merge_chunks
 

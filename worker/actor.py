@@ -3,7 +3,9 @@
     cluster (router, coordinator)           EngineWorker (a Ray actor, num_gpus=1)
     ------------------------------          ----------------------------------------------
     generate(req)  -- async generator -->   event loop: asyncio queues, one per request
-    attach(id)     -- after a migration     ^ call_soon_threadsafe(chunk)
+    attach(id)     -- after a migration     ^ call_soon_threadsafe(a step's chunks, at once)
+    commands(sub, [submit|abort|attach])    a frontend's channel (outbox.py): in order, applied
+    subscribe(sub) <-- one message per wake-up for all of that frontend's requests here
     abort / export / import / preempt --->  commands ---> step thread: engine.step() loop
     (Redis)  <-- heartbeat every ~100 ms --- publisher thread (latest load wins)
 
@@ -35,8 +37,10 @@ from typing import Any, AsyncIterator, Callable, Protocol
 from folio.worker.errors import InvalidRequestError, RequestFailedError, UnavailableError, WorkerFailedError
 from folio.worker.messages import (CompletionDelta, GenerateRequest, RequestSummary, StreamChunk, WorkerLoad,
                                    merge_chunks)
+from folio.worker.outbox import Outbox, Route, Tombstones
 
 ATTACH_TIMEOUT_S = 10.0  # how long attach() waits for a migrated request to be imported
+CLOSED_KEPT = 1024  # subscribers whose stream closed: their late submits are refused
 MOVE_TIMEOUT_S = 60.0  # an export neither confirmed nor refused by then resumes here (its mover died)
 log = logging.getLogger("folio.worker")
 
@@ -77,6 +81,11 @@ class EngineWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, asyncio.Queue] = {}  # request id -> its chunks (event-loop side)
         self._sent: dict[str, dict[int, int]] = {}  # request id -> {completion: tokens streamed}
+        self._outboxes: dict[str, Outbox] = {}  # subscriber -> what waits for its stream
+        self._closed: dict[str, None] = {}  # subscribers whose stream closed (bounded, oldest first)
+        self._tombstones = Tombstones()  # step thread only
+        self._out: list = []  # (request id, item) put by the step thread, delivered once per step
+        self._step_thread: threading.Thread | None = None
         self.num_migrations_in = 0
         self.num_migrations_out = 0
         self.num_prompt_tokens = 0
@@ -122,26 +131,134 @@ class EngineWorker:
     async def attach(self, request_id: str) -> AsyncIterator[StreamChunk]:
         """The stream of a request imported here by a migration (waits for the import)."""
         self._loop = asyncio.get_running_loop()
-        if request_id not in self._streams and not self.failed:
-            # a move announces itself only after the import here (see export_request), so this
-            # waits only for a reader that raced ahead; woken by the import or a failure
-            ev = asyncio.Event()
-            self._arrivals.setdefault(request_id, []).append(ev)
-            try:
-                await asyncio.wait_for(ev.wait(), ATTACH_TIMEOUT_S)
-            except asyncio.TimeoutError:
-                pass
-            finally:
-                waiting = self._arrivals.get(request_id, [])
-                if ev in waiting:
-                    waiting.remove(ev)
-                if not waiting:
-                    self._arrivals.pop(request_id, None)
+        await self._await_arrival(request_id)
         if request_id not in self._streams or self.failed:
             raise UnavailableError(f"request {request_id!r} never arrived on worker {self.worker_id}")
         async with contextlib.aclosing(self._drain_stream(request_id)) as chunks:
             async for chunk in chunks:
                 yield chunk
+
+    async def _await_arrival(self, request_id: str) -> None:
+        if request_id in self._streams or self.failed:
+            return
+        # a move announces itself only after the import here (see export_request), so this
+        # waits only for a reader that raced ahead; woken by the import or a failure
+        ev = asyncio.Event()
+        self._arrivals.setdefault(request_id, []).append(ev)
+        try:
+            await asyncio.wait_for(ev.wait(), ATTACH_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            waiting = self._arrivals.get(request_id, [])
+            if ev in waiting:
+                waiting.remove(ev)
+            if not waiting:
+                self._arrivals.pop(request_id, None)
+
+    # ---- a frontend's channel (outbox.py) -----------------------------------------------
+    async def commands(self, subscriber: str, batch: list[tuple[str, Any]]) -> list:
+        """Apply a frontend's messages in order, all in one pass between two steps:
+        ("submit", GenerateRequest), ("abort", request id), ("attach", request id). Each
+        request's chunks, or its error, go out on `subscriber`'s stream (subscribe()).
+        Returns one result per message (an abort's: whether it found the request)."""
+        self._loop = asyncio.get_running_loop()
+        box = self._outbox(subscriber)
+        results: list = [None] * len(batch)
+        plan: list[tuple[int, str, Any]] = []
+        for i, (kind, arg) in enumerate(batch):
+            if kind == "submit":
+                if self._open_route(arg, box):
+                    plan.append((i, kind, arg))
+            elif kind == "abort":
+                plan.append((i, kind, arg))
+            elif kind == "attach":
+                self._loop.create_task(self._attach_route(arg, box))
+        if not plan:
+            return results
+
+        def run(e):
+            for i, kind, arg in plan:
+                if kind == "abort":
+                    results[i] = self._abort(arg)
+                    continue
+                try:
+                    self._add(e, arg.request_id, arg, _mono_from_wall(arg.arrival_time)
+                              if arg.arrival_time is not None else None)
+                except Exception as err:  # refused: nothing is left behind; the error is its stream's
+                    self._put(arg.request_id, err)
+        try:
+            await self._call(run)
+        except UnavailableError as err:  # failed meanwhile
+            for i, kind, arg in plan:
+                if kind == "submit":
+                    self._put(arg.request_id, err)
+        return results
+
+    def _outbox(self, subscriber: str) -> Outbox | None:
+        if subscriber in self._closed:
+            return None
+        box = self._outboxes.get(subscriber)
+        if box is None:
+            box = self._outboxes[subscriber] = Outbox(subscriber)
+        return box
+
+    def _open_route(self, req: GenerateRequest, box: Outbox | None) -> bool:
+        """The request's entry in the stream table, or its error on `box` (False)."""
+        rid = req.request_id
+        if box is None:  # its frontend's stream closed: nobody would read it
+            return False
+        err = None
+        if self._draining or self.failed:
+            err = UnavailableError(f"worker {self.worker_id} is {'draining' if self._draining else 'failed'}")
+        elif rid in self._streams:
+            err = InvalidRequestError(f"request id {rid!r} is already in use")
+        if err is not None:
+            box.put(rid, err)
+            return False
+        self._streams[rid] = Route(box, rid, self._streams, self._sent)
+        self._sent[rid] = {}
+        return True
+
+    async def _attach_route(self, rid: str, box: Outbox | None) -> None:
+        """A request imported here by a migration: its chunks go to `box` from now on."""
+        if box is None:
+            return
+        await self._await_arrival(rid)
+        q = self._streams.get(rid)
+        if box.closed or not isinstance(q, asyncio.Queue) or self.failed:
+            if not box.closed:
+                box.put(rid, UnavailableError(f"request {rid!r} never arrived on worker {self.worker_id}"))
+            return
+        route = self._streams[rid] = Route(box, rid, self._streams, self._sent)
+        while not q.empty():
+            route.put_nowait(q.get_nowait())
+
+    async def subscribe(self, subscriber: str) -> AsyncIterator[list[tuple[str, Any]]]:
+        """Every (request id, chunk or error) for `subscriber`, one list per wake-up: a
+        step's outputs for one frontend cross Ray as one message. Closing it aborts the
+        subscriber's requests still running here."""
+        self._loop = asyncio.get_running_loop()
+        box = self._outbox(subscriber)
+        if box is None:
+            return
+        try:
+            while True:
+                await box.ready.wait()
+                batch = box.take()
+                if batch:
+                    yield batch
+        finally:
+            box.closed = True
+            self._outboxes.pop(subscriber, None)
+            self._closed[subscriber] = None
+            while len(self._closed) > CLOSED_KEPT:
+                del self._closed[next(iter(self._closed))]
+            for rid, sink in list(self._streams.items()):
+                if isinstance(sink, Route) and sink.box is box:
+                    del self._streams[rid]
+                    self._sent.pop(rid, None)
+                    self._send(lambda e, rid=rid: self._abort(rid))
 
     async def _drain_stream(self, rid: str) -> AsyncIterator[StreamChunk]:
         q = self._streams[rid]
@@ -240,6 +357,7 @@ class EngineWorker:
             for victim in preempt:
                 e.preempt_request(victim)
             rid_ = e.import_request(state)
+            self._tombstones.seen(rid_)
             self.num_migrations_in += 1
             return rid_
         try:
@@ -264,7 +382,8 @@ class EngineWorker:
         def run(e):
             d = dict(vars(e.stats()))
             d.update(worker_id=self.worker_id, num_migrations_in=self.num_migrations_in,
-                     num_migrations_out=self.num_migrations_out, num_streams=len(self._streams))
+                     num_migrations_out=self.num_migrations_out, num_streams=len(self._streams),
+                     num_subscribers=len(self._outboxes))
             return d
         return await self._call(run)
 
@@ -323,17 +442,26 @@ class EngineWorker:
                 return
             if fut.set_running_or_notify_cancel():
                 try:
-                    fut.set_result(fn(self.engine))
+                    result = fn(self.engine)
                 except BaseException as e:  # the caller gets it; the engine is unchanged (its contract)
+                    self._flush_out()
                     fut.set_exception(e)
+                else:
+                    self._flush_out()  # what the command put goes out before its caller resumes
+                    fut.set_result(result)
 
     def _add(self, e, rid: str, req: GenerateRequest, arrival: float | None) -> None:
+        if self._tombstones.take(rid):  # its abort came first: it ends before it starts
+            self._put(rid, StreamChunk(rid, self.worker_id, [CompletionDelta(0, [], "", 0, "abort")], finished=True))
+            return
         e.add_request(rid, req.prompt_token_ids, req.params, priority=req.priority, arrival_time=arrival,
                       output_kind="delta")
         self.num_prompt_tokens += len(req.prompt_token_ids)
+        self._tombstones.seen(rid)
 
     def _abort(self, rid: str) -> bool:
         if not self.engine.abort(rid) and self._moving.pop(rid, None) is None:
+            self._tombstones.abort_unknown(rid)  # an abort that overtook its request still wins
             return False
         sent = self._sent.get(rid, {0: 0})
         self._put(rid, StreamChunk(rid, self.worker_id, [CompletionDelta(i, [], "", n, "abort")
@@ -348,12 +476,31 @@ class EngineWorker:
         return state
 
     def _put(self, rid: str, item) -> None:
-        q = self._streams.get(rid)
-        if q is not None and self._loop is not None:
+        """Queue `item` for the request's stream. The step thread's items go to the event loop
+        together, once per step (and after each command); anyone else's at once. Either way
+        they reach the loop in the order they were put."""
+        if threading.current_thread() is self._step_thread:
+            self._out.append((rid, item))
+        else:
+            self._post([(rid, item)])
+
+    def _flush_out(self) -> None:
+        if self._out:
+            items, self._out = self._out, []
+            self._post(items)
+
+    def _post(self, items: list) -> None:
+        if self._loop is not None:
             try:
-                self._loop.call_soon_threadsafe(q.put_nowait, item)
+                self._loop.call_soon_threadsafe(self._deliver, items)
             except RuntimeError:  # the event loop is gone (an in-process worker outliving it)
                 pass
+
+    def _deliver(self, items: list) -> None:
+        for rid, item in items:
+            q = self._streams.get(rid)
+            if q is not None:
+                q.put_nowait(item)
 
     # ---- the step loop ------------------------------------------------------------------
     def _step_loop(self) -> None:
@@ -363,6 +510,7 @@ class EngineWorker:
         import torch
 
         torch.set_num_threads(torch.get_num_threads())
+        self._step_thread = threading.current_thread()
         engine = self.engine
         next_beat = 0.0
         while not self._stop:
@@ -378,6 +526,7 @@ class EngineWorker:
                         self._put(out.request_id, RequestFailedError(out.error))
                     else:
                         self._dispatch(out)
+                self._flush_out()  # one hop to the event loop for the whole step
             else:
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -412,6 +561,7 @@ class EngineWorker:
         err = WorkerFailedError(f"worker {self.worker_id} failed: {self.failed}")
         for rid in list(self._streams):
             self._put(rid, err)
+        self._flush_out()
         if self._loop is not None:
             try:
                 self._loop.call_soon_threadsafe(self._wake_arrivals)

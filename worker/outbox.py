@@ -1,0 +1,100 @@
+"""The worker's side of a frontend's channel (actor.py: `commands` in, `subscribe` out).
+
+    frontend (one per replica and worker)         worker
+    commands(sub, [("submit", req), ("abort", rid), ("attach", rid), ...])   in order, awaited
+    subscribe(sub)  <-- one message per wake-up: [(rid, StreamChunk | exception), ...]
+
+An Outbox holds what waits for one subscriber: per request, its chunks merged while the
+reader is behind (a migration marker, the last chunk and an error are never merged into),
+so a slow frontend costs one merged chunk per request, never a growing queue. A Route is
+a request's entry in the worker's stream table that delivers into an Outbox and removes
+itself once the request's last item went in. Tombstones: aborts that arrived before their
+request (bounded in count and age); the request then finishes at once with "abort".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+
+from folio.worker.messages import StreamChunk, merge_chunks
+
+TOMBSTONES_KEPT = 4096
+TOMBSTONE_S = 60.0
+SEEN_KEPT = 16384  # request ids admitted lately: an abort of one of them leaves no tombstone
+
+
+def terminal(item) -> bool:
+    return isinstance(item, BaseException) or item.finished or item.migrated_to is not None
+
+
+def _mergeable(a, b) -> bool:
+    return (isinstance(a, StreamChunk) and isinstance(b, StreamChunk) and not terminal(a)
+            and b.migrated_to is None)
+
+
+class Outbox:
+    def __init__(self, subscriber: str) -> None:
+        self.subscriber = subscriber
+        self.pending: dict[str, list] = {}
+        self.ready = asyncio.Event()
+        self.closed = False
+
+    def put(self, rid: str, item) -> None:
+        items = self.pending.setdefault(rid, [])
+        if items and _mergeable(items[-1], item):
+            items[-1] = merge_chunks(items[-1], item)
+        else:
+            items.append(item)
+        self.ready.set()
+
+    def take(self) -> list[tuple[str, object]]:
+        self.ready.clear()
+        out = [(rid, item) for rid, items in self.pending.items() for item in items]
+        self.pending = {}
+        return out
+
+
+class Route:
+    """The stream-table entry of a request whose chunks go to a subscriber."""
+
+    def __init__(self, box: Outbox, rid: str, streams: dict, sent: dict) -> None:
+        self.box, self.rid, self._streams, self._sent = box, rid, streams, sent
+
+    def put_nowait(self, item) -> None:
+        self.box.put(self.rid, item)
+        if terminal(item) and self._streams.get(self.rid) is self:
+            del self._streams[self.rid]
+            self._sent.pop(self.rid, None)
+
+
+class Tombstones:
+    """Aborts of requests not seen yet (step thread only)."""
+
+    def __init__(self) -> None:
+        self._dead: OrderedDict[str, float] = OrderedDict()
+        self._seen: OrderedDict[str, None] = OrderedDict()
+
+    def seen(self, rid: str) -> None:
+        self._seen[rid] = None
+        self._seen.move_to_end(rid)
+        if len(self._seen) > SEEN_KEPT:
+            self._seen.popitem(last=False)
+
+    def abort_unknown(self, rid: str) -> None:
+        """An abort found nothing: leave a tombstone unless the request already ran here."""
+        if rid in self._seen:
+            return
+        self._dead[rid] = time.monotonic() + TOMBSTONE_S
+        self._dead.move_to_end(rid)
+        while len(self._dead) > TOMBSTONES_KEPT:
+            self._dead.popitem(last=False)
+
+    def take(self, rid: str) -> bool:
+        """True if an abort for `rid` is waiting (it is consumed)."""
+        exp = self._dead.pop(rid, None)
+        return exp is not None and exp > time.monotonic()
+
+    def __len__(self) -> int:
+        return len(self._dead)
