@@ -36,8 +36,9 @@ MAX_BODY_BYTES = 8 * 2**20
 
 @dataclass
 class FrontendConfig:
-    model: str  # checkpoint directory (the tokenizer and chat template come from it)
+    model: str  # checkpoint directory or GGUF file (the tokenizer and chat template come from it)
     redis_url: str
+    tokenizer: str | None = None  # the tokenizer's directory when not the model's own (`folio serve --tokenizer`)
     namespace: str = "folio"
     router: str = "prefix-aware"
     max_model_len: int = 2048
@@ -94,7 +95,7 @@ class Frontend:
 
         self.cfg = cfg
         self.vocab_size = ModelConfig.from_dir(cfg.model).vocab_size  # what the model embeds
-        self.prompts = Prompts(cfg.model, cfg.max_model_len, self.vocab_size)
+        self.prompts = Prompts(cfg.tokenizer or cfg.model, cfg.max_model_len, self.vocab_size)
         self.tokenizer = self.prompts.tokenizer
         state = ClusterState(cfg.redis_url, cfg.namespace)
         self.router = router or Router(state, RayWorkerClient(cfg.namespace, cfg.namespace), cfg.router)

@@ -20,7 +20,8 @@ from folio.cluster.policies import POLICIES
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run a Folio cluster: Ray workers, router, coordinator, Redis state")
-    p.add_argument("--model", required=True, help="local Hugging Face checkpoint directory")
+    p.add_argument("--model", required=True, help="a local Hugging Face checkpoint directory or a GGUF file")
+    p.add_argument("--tokenizer", default=None, help="the tokenizer's directory (default: the model's own)")
     p.add_argument("--num-workers", type=int, default=1, help="workers, one per GPU")
     p.add_argument("--redis-url", default=None, help="external Redis (default: an embedded server)")
     p.add_argument("--router", choices=POLICIES, default="prefix-aware")
@@ -62,6 +63,12 @@ def cluster_config(args):
                   kv_cache_memory_gb=args.kv_cache_memory_gb, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, dtype=args.dtype, preemption_mode=args.preemption_mode,
                   swap_space_gb=args.swap_space_gb, kv_cache_layout=args.kv_cache_layout)
+    if args.tokenizer is not None:  # absolute: the workers and the frontends run in other processes
+        if not os.path.exists(args.tokenizer):
+            from folio.worker.errors import ModelLoadError
+
+            raise ModelLoadError(f"the tokenizer path {args.tokenizer!r} does not exist")
+        engine["tokenizer"] = os.path.abspath(args.tokenizer)
     return ClusterConfig(model=args.model, num_workers=args.num_workers, redis_url=args.redis_url,
                          router=args.router, address=args.address, host=args.host, namespace=args.namespace,
                          engine=engine, worker_num_cpus=args.worker_num_cpus)
@@ -135,8 +142,9 @@ def frontend_config(args, cluster):
 
     cfg = cluster.config
     engine = EngineConfig(model=cfg.model, **cfg.engine)
-    return FrontendConfig(model=os.path.abspath(cfg.model), redis_url=cluster.redis_url, namespace=cfg.namespace,
-                          router=cfg.router, max_model_len=max_model_len(engine, ModelConfig.from_dir(cfg.model)),
+    return FrontendConfig(model=os.path.abspath(cfg.model), tokenizer=cfg.engine.get("tokenizer"),
+                          redis_url=cluster.redis_url, namespace=cfg.namespace, router=cfg.router,
+                          max_model_len=max_model_len(engine, ModelConfig.from_dir(cfg.model)),
                           block_size=engine.block_size, num_workers=cfg.num_workers,
                           max_num_requests=args.max_num_requests, api_key=args.api_key,
                           served_model_name=args.served_model_name, grpc_port=args.grpc_port or None,
