@@ -28,6 +28,8 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model name for the OpenAI API (default: the first listed)")
     p.add_argument("--api-key", default=os.environ.get("FOLIO_API_KEY"))
     p.add_argument("--workload", choices=WORKLOADS, default="random")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                   help="http targets: /v1/completions, or /v1/chat/completions with each prompt as a user message")
     p.add_argument("--num-requests", type=int, default=100)
     p.add_argument("--input-len", default="uniform:32-256", help="words: fixed:N | uniform:A-B | lognormal:MED,SIGMA")
     p.add_argument("--output-len", default="uniform:32-128", help="max_tokens, same forms")
@@ -58,7 +60,8 @@ async def _run(args) -> dict:
     rates = [float(r) for r in args.sweep.split(",")] if args.sweep else [args.rate]
     metrics_url = args.metrics_url or (args.target.rstrip("/") + "/metrics" if args.target.startswith("http")
                                        else None)
-    target = make_target(args.target, args.model, args.api_key, ignore_eos=not args.no_ignore_eos)
+    target = make_target(args.target, args.model, args.api_key, ignore_eos=not args.no_ignore_eos,
+                         endpoint=args.endpoint)
     runs = []
     try:
         await target.resolve_model()
@@ -85,7 +88,7 @@ async def _run(args) -> dict:
     finally:
         await target.close()
     return {"benchmark": "folio bench", "label": args.label or args.target, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "target": args.target, "model": target.model, "workload": args.workload,
+            "target": args.target, "model": target.model, "workload": args.workload, "endpoint": args.endpoint,
             "command": " ".join(["folio"] + sys.argv[1:]), "runs": runs}
 
 

@@ -61,11 +61,13 @@ class LoadShape:
 
 
 class HttpTarget:
-    def __init__(self, url: str, model: str | None, api_key: str | None, ignore_eos: bool) -> None:
+    def __init__(self, url: str, model: str | None, api_key: str | None, ignore_eos: bool,
+                 endpoint: str = "completions") -> None:
         import aiohttp
 
         self.base = url.rstrip("/")
         self.model, self.ignore_eos = model, ignore_eos
+        self.chat = endpoint == "chat"  # /v1/chat/completions: the prompt is one user message
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
 
@@ -75,9 +77,14 @@ class HttpTarget:
                 self.model = (await r.json())["data"][0]["id"]
 
     async def request(self, prompt: str, max_tokens: int, rec: Record, t0: float) -> None:
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+        body = {"model": self.model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
                 "stream_options": {"include_usage": True}, "ignore_eos": self.ignore_eos}
-        async with self.session.post(self.base + "/v1/completions", json=body, headers=self.headers) as r:
+        if self.chat:
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        path = "/v1/chat/completions" if self.chat else "/v1/completions"
+        async with self.session.post(self.base + path, json=body, headers=self.headers) as r:
             if r.status != 200:
                 rec.error = str(r.status)
                 await r.read()
@@ -94,9 +101,11 @@ class HttpTarget:
                 if data.get("usage"):
                     rec.prompt_tokens = data["usage"]["prompt_tokens"]
                     rec.output_tokens = data["usage"]["completion_tokens"]
-                if data.get("choices") and data["choices"][0].get("text"):
+                choice = data["choices"][0] if data.get("choices") else {}
+                text = (choice.get("delta") or {}).get("content") if self.chat else choice.get("text")
+                if text:
                     rec.tokens_arrived(time.perf_counter() - t0)
-                    parts.append(data["choices"][0]["text"])
+                    parts.append(text)
             rec.text = "".join(parts)
 
     async def close(self) -> None:
@@ -143,11 +152,14 @@ class GrpcTarget:
         await self.channel.close()
 
 
-def make_target(url: str, model: str | None, api_key: str | None, ignore_eos: bool = True):
+def make_target(url: str, model: str | None, api_key: str | None, ignore_eos: bool = True,
+                endpoint: str = "completions"):
     if url.startswith("grpc://"):
+        if endpoint != "completions":
+            raise ValueError("--endpoint chat needs an http:// target (gRPC has no chat API)")
         return GrpcTarget(url.removeprefix("grpc://"), api_key, ignore_eos)
     if url.startswith(("http://", "https://")):
-        return HttpTarget(url, model, api_key, ignore_eos)
+        return HttpTarget(url, model, api_key, ignore_eos, endpoint)
     raise ValueError(f"a target is grpc://host:port or http://host:port, got {url!r}")
 
 

@@ -95,6 +95,7 @@ CAP = ["--max-concurrency", str(FOLIO_SERVER_LIMIT)]  # at most the server's adm
 
 @pytest.mark.parametrize("workload, shape", [
     ("random", ["--rate", "20", *CAP]),
+    ("random", ["--endpoint", "chat", "--rate", "20", *CAP]),  # /v1/chat/completions
     ("shared-prefix", ["--rate", "20", "--arrival", "gamma", "--burstiness", "0.5", "--prefix-len", "16", *CAP]),
     ("multi-turn", ["--max-concurrency", "2", "--turns", "3"]),
     ("burst", CAP),
@@ -151,6 +152,9 @@ def test_bad_bench_arguments_fail_clearly(folio_server):
     r = subprocess.run([sys.executable, "-m", "folio.deploy.cli", "bench", "--target", "ftp://x", "--quiet"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "grpc://host:port or http://host:port" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "folio.deploy.cli", "bench", "--target", "grpc://" + folio_server["grpc"],
+                        "--endpoint", "chat", "--quiet"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--endpoint chat needs an http:// target" in r.stderr
     r = subprocess.run([sys.executable, "-m", "folio.deploy.cli", "bench", "--target", folio_server["http"],
                         "--api-key", FOLIO_SERVER_KEY, "--output-len", "gaussian:3", "--quiet"],
                        capture_output=True, text=True, timeout=60)
