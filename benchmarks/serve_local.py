@@ -5,7 +5,8 @@ Redis, HTTP + gRPC), driven by `folio bench`, then stopped with SIGTERM.
 
 Runs two workloads through the OpenAI-compatible HTTP API (random lengths at a Poisson
 rate; shared prefixes) and one through gRPC, and writes the harness's JSON for each to
-benchmarks/results/serve_local_<workload>.json (plots under /tmp/folio-serve-local/).
+OUT_DIR/serve_local_<workload>.json (`make run`: .run/results/; plots under /tmp/folio-serve-local/).
+`start_server` / `stop_server` are shared with serve_smollm2.py (the real model).
 """
 
 from __future__ import annotations
@@ -28,6 +29,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_server(model: str, workers: int, *extra: str, ready_timeout_s: float = 300.0):
+    """`folio serve` on free loopback ports; returns (process, http port, grpc port) once it is ready."""
+    http, grpc_port = free_port(), free_port()
+    server = subprocess.Popen([sys.executable, "-m", "folio.deploy.cli", "serve", "--model", model,
+                               "--num-workers", str(workers), "--host", "127.0.0.1", "--http-port", str(http),
+                               "--grpc-port", str(grpc_port), *extra],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=dict(os.environ, RAY_AUTH_MODE="disabled"))
+    deadline = time.monotonic() + ready_timeout_s
+    try:
+        for line in server.stdout:
+            if "folio serve: ready" in line:
+                print(line.strip(), flush=True)
+                return server, http, grpc_port
+            if time.monotonic() > deadline:
+                raise SystemExit("folio serve did not start")
+        raise SystemExit("folio serve exited before it was ready")
+    except BaseException:
+        stop_server(server)
+        raise
+
+
+def stop_server(server) -> None:
+    """SIGTERM, then up to 60 s to drain and stop (killed after that)."""
+    server.send_signal(signal.SIGTERM)
+    try:
+        rest, _ = server.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        rest, _ = server.communicate()
+    stopped = re.search(r"folio serve: stopped", rest or "")
+    print("folio serve: stopped" if stopped else f"folio serve exit code {server.returncode}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -36,24 +71,11 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=8.0)
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
-    http, grpc_port = free_port(), free_port()
     folio = [sys.executable, "-m", "folio.deploy.cli"]
-    server = subprocess.Popen(folio + ["serve", "--model", args.model, "--num-workers", str(args.workers),
-                                       "--host", "127.0.0.1", "--http-port", str(http), "--grpc-port", str(grpc_port),
-                                       "--block-size", "16", "--num-kv-blocks", "256", "--max-model-len", "1024",
-                                       "--router", "prefix-aware", "--namespace", "local", "--grace-period-s", "5"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=dict(os.environ, RAY_AUTH_MODE="disabled"))
+    server, http, grpc_port = start_server(args.model, args.workers, "--block-size", "16", "--num-kv-blocks", "256",
+                                           "--max-model-len", "1024", "--router", "prefix-aware",
+                                           "--namespace", "local", "--grace-period-s", "5")
     try:
-        deadline = time.monotonic() + 300
-        for line in server.stdout:
-            if "folio serve: ready" in line:
-                print(line.strip(), flush=True)
-                break
-            if time.monotonic() > deadline:
-                raise SystemExit("folio serve did not start")
-        else:
-            raise SystemExit("folio serve exited before it was ready")
         plots = "/tmp/folio-serve-local"
         runs = [
             ("random", f"http://127.0.0.1:{http}", ["--rate", str(args.rate), "--input-len", "lognormal:60,0.8,400",
@@ -75,14 +97,7 @@ def main() -> int:
             if r.returncode != 0:
                 return r.returncode
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            rest, _ = server.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            rest = ""
-        stopped = re.search(r"folio serve: stopped", rest or "")
-        print("folio serve: stopped" if stopped else f"folio serve exit code {server.returncode}", flush=True)
+        stop_server(server)
     return 0
 
 
