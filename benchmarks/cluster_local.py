@@ -44,9 +44,9 @@ def main() -> None:
     args = ap.parse_args()
 
     rng = random.Random(0)
-    from transformers import AutoTokenizer
+    from folio.worker.detokenizer import load_tokenizer  # a checkpoint directory or a GGUF file
 
-    vocab = AutoTokenizer.from_pretrained(args.model).vocab_size
+    vocab = load_tokenizer(args.model).vocab_size
     work = [([rng.randrange(16, vocab) for _ in range(rng.randint(16, 128))], rng.randint(32, 128))
             for _ in range(args.requests)]
     engine = dict(block_size=16, num_kv_blocks=args.kv_blocks, max_model_len=512, preemption_mode="swap",

@@ -74,11 +74,24 @@ def run_vllm(model, reqs, kv_tokens):
     return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
 
 
+def hf_model(model: str, dtype):
+    """transformers' model from a checkpoint directory, or from a GGUF file (dequantized by gguf-py)."""
+    from transformers import AutoModelForCausalLM
+
+    from folio.worker.models.gguf_loader import find_gguf
+
+    gguf_file = find_gguf(model)
+    if gguf_file is not None:
+        return AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_file), gguf_file=os.path.basename(gguf_file),
+                                                    dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
+
+
 def run_hf(model, reqs, kv_tokens, batch=64):
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
 
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    hf = hf_model(model, torch.float32)
     pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
     cfg = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=pad, bos_token_id=None)
     outs = []
@@ -196,9 +209,9 @@ def main() -> None:
         return child(args)
     if args.setup_vllm:
         setup_vllm()
-    from transformers import AutoTokenizer
+    from folio.worker.detokenizer import load_tokenizer  # a checkpoint directory or a GGUF file
 
-    vocab = len(AutoTokenizer.from_pretrained(args.model))
+    vocab = len(load_tokenizer(args.model))
     peers = args.peers.split(",")
     python = {"folio": sys.executable, "hf": sys.executable, "vllm": os.path.join(VLLM_VENV, "bin", "python")}
     doc = {"benchmark": "vs_peers_offline", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": args.model,
