@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 
-from folio.cluster.placement import Move, plan_moves
+from folio.cluster.placement import Move, plan_moves, victim_queries
 from folio.cluster.state import ClusterState
 from folio.cluster.worker_client import WorkerClient
 from folio.worker.errors import FolioError
@@ -39,6 +39,7 @@ class Coordinator:
         self.num_moves = 0
         self.num_failed_moves = 0
         self.num_preempted = 0
+        self.num_victim_queries = 0
         self.rounds = 0
         self._task: asyncio.Task | None = None
 
@@ -50,12 +51,29 @@ class Coordinator:
         except Exception as e:  # Redis away: nothing to plan with until it is back
             log.debug("cluster state unavailable: %s", e)
             return []
+        await self._ask_for_victims(loads)
         now = time.monotonic()
         moves = plan_moves(loads, now, self.last_moved, self.cooldown_s, self.headroom, self.max_moves)
         results = await asyncio.gather(*(self._move(m) for m in moves))
         cutoff = now - 10 * self.cooldown_s
         self.last_moved = {r: t for r, t in self.last_moved.items() if t > cutoff}
         return [m for m, ok in zip(moves, results) if ok]
+
+    async def _ask_for_victims(self, loads: dict) -> None:
+        """Heartbeats list only the requests waiting for room; a starving request that fits
+        nowhere may preempt less urgent running ones, so ask the workers that run any for
+        them (one call per such worker, only in a round that needs it)."""
+        asks = victim_queries(loads, self.headroom)
+        if not asks:
+            return
+        got = await asyncio.gather(*(self.client.running_requests(d, p) for d, p in asks.items()),
+                                   return_exceptions=True)
+        for d, running in zip(asks, got):
+            if isinstance(running, BaseException):  # gone or busy: plan without it this round
+                log.debug("running requests of %s unavailable: %s", d, running)
+                continue
+            loads[d].requests = [r for r in loads[d].requests if r.state != "running"] + list(running)
+        self.num_victim_queries += len(asks)
 
     async def _move(self, m: Move) -> bool:
         self.last_moved[m.request_id] = time.monotonic()
@@ -93,7 +111,8 @@ class Coordinator:
 
     def stats(self) -> dict:
         return {"moves": self.num_moves, "failed_moves": self.num_failed_moves,
-                "preempted_for_moves": self.num_preempted, "rounds": self.rounds}
+                "preempted_for_moves": self.num_preempted, "rounds": self.rounds,
+                "victim_queries": self.num_victim_queries}
 
 
 class CoordinatorActor:

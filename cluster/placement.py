@@ -46,6 +46,23 @@ def starving(loads: dict[str, WorkerLoad]) -> list[tuple[str, RequestSummary]]:
     return out
 
 
+def victim_queries(loads: dict[str, WorkerLoad], headroom: float = 0.05) -> dict[str, int]:
+    """{worker: priority} to ask `running_requests(priority)` of before planning: heartbeats
+    list no running requests, so for each starving request that fits on no other worker as
+    it is, the workers running anything less urgent than it (the smallest such priority)."""
+    open_ = {w: l for w, l in loads.items() if not l.draining}
+    asks: dict[str, int] = {}
+    for src, r in starving(loads):
+        kv = r.num_blocks if r.state == "swapped" else 0
+        if any(d != src and l.num_free_blocks - _headroom(l, headroom) >= r.num_blocks and l.num_free_cpu_blocks >= kv
+               for d, l in open_.items()):
+            continue
+        for d, l in open_.items():
+            if d != src and l.max_running_priority is not None and l.max_running_priority > r.priority:
+                asks[d] = min(asks.get(d, r.priority), r.priority)
+    return asks
+
+
 def plan_moves(loads: dict[str, WorkerLoad], now: float, last_moved: dict[str, float] | None = None,
                cooldown_s: float = 1.0, headroom: float = 0.05, max_moves: int = 8) -> list[Move]:
     last_moved = last_moved or {}

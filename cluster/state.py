@@ -97,34 +97,44 @@ class Keys:
 
 
 class WorkerPublisher:
-    """A worker's side (worker/actor.py's LoadPublisher): one heartbeat per publish().
+    """A worker's side (worker/heartbeat.py's LoadPublisher): one heartbeat per publish(),
+    one Redis round trip.
 
-    Prefix hashes are sent as differences from the last publish; after any error,
-    or when the epoch key is gone (Redis restarted), the whole set is sent again.
+    The prefix index goes either whole (after a start, an error or a Redis restart) or as
+    the changes since the last publish, so a heartbeat costs what changed, not what is
+    cached. The epoch key says the index in Redis is complete: a Redis that restarted has
+    none, and the publish that finds it missing asks for the whole set next time.
     """
+
+    SADD_CHUNK = 8192  # hashes per SADD when the whole set goes
 
     def __init__(self, url: str, namespace: str = "folio", ttl_s: float = DEFAULT_TTL_S) -> None:
         self.r = connect(url)
         self.keys = Keys(namespace)
         self.ttl_ms = int(ttl_s * 1000)
-        self._published: set[bytes] | None = None  # the prefix set Redis holds, if known
+        self._synced = False  # Redis's prefix index is known to be complete
 
-    def publish(self, load: WorkerLoad, cached_block_hashes: set[bytes]) -> None:
+    def publish(self, load: WorkerLoad, cached_block_hashes: set[bytes] | None = None,
+                changes: dict[bytes, bool] | None = None) -> bool:
+        """The load, and the prefix index: whole (`cached_block_hashes`), or `changes`
+        ({hash: cached now?}) since the last publish. Returns whether Redis's index is
+        complete after it: False means the caller must send the whole set next time."""
         k, wid = self.keys, load.worker_id
+        whole = cached_block_hashes is not None
         try:
-            if self._published is not None and not self.r.exists(k.prefix_epoch(wid)):
-                self._published = None  # Redis lost it: resend everything
             p = self.r.pipeline(transaction=True)
+            p.exists(k.prefix_epoch(wid))
             p.set(k.worker(wid), load_to_json(load), px=self.ttl_ms)
             p.sadd(k.workers, wid)
-            if self._published is None:
+            if whole:
                 p.delete(k.prefix(wid))
-                if cached_block_hashes:
-                    p.sadd(k.prefix(wid), *cached_block_hashes)
+                hashes = list(cached_block_hashes)
+                for i in range(0, len(hashes), self.SADD_CHUNK):
+                    p.sadd(k.prefix(wid), *hashes[i : i + self.SADD_CHUNK])
                 p.set(k.prefix_epoch(wid), 1)
-            else:
-                added = cached_block_hashes - self._published
-                removed = self._published - cached_block_hashes
+            elif changes:
+                added = [h for h, c in changes.items() if c]
+                removed = [h for h, c in changes.items() if not c]
                 if added:
                     p.sadd(k.prefix(wid), *added)
                 if removed:
@@ -136,11 +146,12 @@ class WorkerPublisher:
             if swapped:
                 p.hset(k.swapped(wid), mapping=swapped)
                 p.pexpire(k.swapped(wid), self.ttl_ms)
-            p.execute()
-            self._published = set(cached_block_hashes)
+            had_epoch = p.execute()[0]
         except redis.RedisError:
-            self._published = None
+            self._synced = False
             raise
+        self._synced = whole or (self._synced and bool(had_epoch))
+        return self._synced
 
     def withdraw(self, worker_id: str) -> None:
         """Leave the cluster at once (clean shutdown) instead of waiting for the TTL."""

@@ -47,6 +47,7 @@ class WorkerClient(Protocol):
     def attach(self, wid: str, request_id: str) -> AsyncIterator[StreamChunk]: ...
     async def abort(self, wid: str, request_id: str) -> bool: ...
     async def move(self, src: str, dst: str, request_id: str, preempt: tuple[str, ...] = ()) -> None: ...
+    async def running_requests(self, wid: str, min_priority: int | None = None) -> list: ...
 
 
 def actor_name(namespace: str, wid: str) -> str:
@@ -116,6 +117,9 @@ class RayWorkerClient:
         through the object store (the ObjectRef is passed on, never fetched here)."""
         state_ref = self.handle(src).export_request.remote(request_id, dst)
         await _settle(self._call, src, dst, request_id, state_ref, preempt)
+
+    async def running_requests(self, wid: str, min_priority: int | None = None) -> list:
+        return await self._call(wid, "running_requests", min_priority)
 
 
 class _Inbox:
@@ -303,6 +307,9 @@ class LocalWorkerClient:
     async def move(self, src: str, dst: str, request_id: str, preempt: tuple[str, ...] = ()) -> None:
         state = await self._w(src).export_request(request_id, dst)
         await _settle(self._call, src, dst, request_id, state, preempt)
+
+    async def running_requests(self, wid: str, min_priority: int | None = None) -> list:
+        return await self._w(wid).running_requests(min_priority)
 
     async def _call(self, wid: str, method: str, *args):
         return await getattr(self._w(wid), method)(*args)

@@ -134,6 +134,18 @@ class PagedMachine(RuleBasedStateMachine):
         self.live: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self.moved: list[Sequence] = []  # imported into self.other, held in its swap space
+        self.index: set[bytes] | None = None  # a heartbeat reader's prefix index, built from changes only
+
+    @rule()
+    def beat(self):  # what a heartbeat publishes: the changes since the last one, after one full copy
+        changes, resync = self.kv.prefix_cache_changes()
+        if resync or self.index is None:
+            assert resync == (self.index is None), "a resync asked for only on the first call"
+            self.index = self.kv.cached_block_hashes()
+        else:
+            for h, cached in changes.items():
+                (self.index.add if cached else self.index.discard)(h)
+        assert self.index == self.kv.cached_block_hashes(), "changes applied in order != the cache map"
 
     @rule(prompt=st.lists(st.integers(0, 2), min_size=1, max_size=30), chunk=st.integers(1, 12))
     def admit(self, prompt, chunk):
@@ -245,3 +257,20 @@ class PagedMachine(RuleBasedStateMachine):
 
 TestPagedMachine = PagedMachine.TestCase
 TestPagedMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_prefix_change_log_overflow_asks_for_a_resync():
+    kv = PagedKVManager(num_blocks=4, block_size=2)
+    assert kv.prefix_cache_changes() == ({}, True)  # the first call: start from the cache map
+    for i in range(4 * 4 + 1024 + 8):  # never drained: cache / evict churn past the log's bound
+        s = new_seq([i % 7, i % 5, i % 3, 1])
+        blocks, n = kv.get_computed_blocks(s)
+        assert kv.allocate_slots(s, s.num_tokens - n, blocks)
+        s.num_computed_tokens = s.num_tokens
+        kv.cache_blocks(s)
+        kv.free(s)
+    changes, resync = kv.prefix_cache_changes()
+    assert resync, "an overflowed log must say so"
+    assert kv.prefix_cache_changes() == ({}, False)  # logging again, nothing changed since
+    off = PagedKVManager(num_blocks=4, block_size=2, enable_prefix_caching=False)
+    assert off.prefix_cache_changes() == ({}, False) and off.cached_block_hashes() == set()

@@ -7,12 +7,14 @@
     commands(sub, [submit|abort|attach])    a frontend's channel (outbox.py): in order, applied
     subscribe(sub) <-- one message per wake-up for all of that frontend's requests here
     abort / export / import / preempt --->  commands ---> step thread: engine.step() loop
-    (Redis)  <-- heartbeat every ~100 ms --- publisher thread (latest load wins)
+    running_requests(prio)  ------------->  the coordinator asks when it plans a preemption
+    (Redis)  <-- heartbeat every ~100 ms --- publisher thread (heartbeat.py: O(changes))
 
 The engine is single-threaded (LLMEngine's contract): only the step thread touches it.
 Everything else sends it a command that runs between two steps, so an order from the
 coordinator never lands in the middle of a step. A slow or dead Redis never stalls the
-engine: the publisher thread takes the newest load and drops the rest.
+engine: the publisher thread takes the newest load and drops the rest (prefix changes
+accumulate until sent).
 
 The class is plain Python; the cluster wraps it with `ray.remote` (see
 folio.cluster.app), and the simulated cluster runs it in-process. It never imports the
@@ -32,24 +34,20 @@ import queue
 import threading
 import time
 import traceback
-from typing import Any, AsyncIterator, Callable, Protocol
+from typing import Any, AsyncIterator, Callable
 
 from folio.worker.errors import InvalidRequestError, RequestFailedError, UnavailableError, WorkerFailedError
 from folio.worker.messages import (CompletionDelta, GenerateRequest, RequestSummary, StreamChunk, WorkerLoad,
                                    merge_chunks)
+from folio.worker.heartbeat import Heartbeat, LoadPublisher
 from folio.worker.outbox import Outbox, Route, Tombstones
 
 ATTACH_TIMEOUT_S = 10.0  # how long attach() waits for a migrated request to be imported
 CLOSED_KEPT = 1024  # subscribers whose stream closed: their late submits are refused
+QUEUED_IN_LOAD = 64  # the most waiting / swapped requests a heartbeat lists (the most urgent)
+RUNNING_LISTED = 256  # the most running requests running_requests() returns
 MOVE_TIMEOUT_S = 60.0  # an export neither confirmed nor refused by then resumes here (its mover died)
 log = logging.getLogger("folio.worker")
-
-
-class LoadPublisher(Protocol):
-    def publish(self, load: WorkerLoad, cached_block_hashes: set[bytes]) -> None:
-        """Called from the publisher thread; may block or raise (the next heartbeat tries again)."""
-
-    def close(self) -> None: ...
 
 
 def _wall_from_mono(t: float) -> float:
@@ -91,12 +89,9 @@ class EngineWorker:
         self.num_prompt_tokens = 0
         self.failed: str | None = None  # the engine's fatal error, once it has one
         self._rate = (time.monotonic(), 0, 0.0)  # (time, generated tokens then, tokens/s)
-        self._publisher = publisher_factory() if publisher_factory is not None else None
-        self._latest: queue.Queue = queue.Queue(maxsize=1)
+        self._heartbeat = (Heartbeat(publisher_factory(), f"folio-pub-{worker_id}")
+                           if publisher_factory is not None else None)
         self._threads = [threading.Thread(target=self._step_loop, name=f"folio-step-{worker_id}", daemon=True)]
-        if self._publisher is not None:
-            self._threads.append(threading.Thread(target=self._publish_loop, name=f"folio-pub-{worker_id}",
-                                                  daemon=True))
         for t in self._threads:
             t.start()
 
@@ -377,6 +372,18 @@ class EngineWorker:
     async def load(self) -> WorkerLoad:
         return await self._call(lambda e: self._load())
 
+    async def running_requests(self, min_priority: int | None = None) -> list[RequestSummary]:
+        """The running requests of priority > `min_priority` (less urgent), least urgent first
+        (at most RUNNING_LISTED): what the coordinator asks for when it plans to preempt here,
+        instead of every heartbeat listing every request."""
+        def run(e):
+            rids = e.running_request_ids(min_priority)
+            out = [RequestSummary(rid, state, prio, _wall_from_mono(arr), blocks)
+                   for rid, state, prio, arr, blocks in e.request_summaries(rids) if state == "running"]
+            out.sort(key=lambda r: (-r.priority, -r.arrival_time, r.request_id))
+            return out[:RUNNING_LISTED]
+        return await self._call(run)
+
     async def stats(self) -> dict:
         """The engine's figures plus the worker's own (migrations)."""
         def run(e):
@@ -416,11 +423,8 @@ class EngineWorker:
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout=10)
-        if self._publisher is not None:
-            try:
-                self._publisher.close()
-            except Exception:
-                pass
+        if self._heartbeat is not None:
+            self._heartbeat.close()
 
     # ---- commands: run on the step thread, between steps --------------------------------
     def _send(self, fn: Callable) -> concurrent.futures.Future:
@@ -586,39 +590,23 @@ class EngineWorker:
         if now - t0 >= 1.0:
             rate = (e.num_generated_tokens - n0) / (now - t0)
             self._rate = (now, e.num_generated_tokens, rate)
+        # the requests that wait for room, most urgent first; running ones only on request
         reqs = [RequestSummary(rid, state, prio, _wall_from_mono(arr), blocks)
-                for rid, state, prio, arr, blocks in e.request_summaries()]
-        queued = sum(max(s.num_prompt_tokens - s.num_computed_tokens, 0) for s in e.live_sequences())
+                for rid, state, prio, arr, blocks in e.request_summaries(e.queued_request_ids()) if state != "running"]
+        reqs.sort(key=lambda r: (r.priority, r.arrival_time, r.request_id))
+        queued = e.queued_prompt_tokens()
         swap = getattr(e.kv, "swap", None)
         return WorkerLoad(self.worker_id, time.time(), st.num_kv_blocks, st.num_free_blocks, st.num_cpu_blocks,
                           swap.num_free if swap is not None else 0, e.config.block_size, st.num_running,
                           st.num_waiting, st.num_swapped, queued, rate, st.num_preemptions, st.swapped_out_blocks,
-                          st.swapped_in_blocks, self.num_migrations_in, self.num_migrations_out, self._draining, reqs,
+                          st.swapped_in_blocks, self.num_migrations_in, self.num_migrations_out, self._draining,
+                          reqs[:QUEUED_IN_LOAD],
                           {"prompt_tokens": self.num_prompt_tokens, "generation_tokens": st.num_generated_tokens,
                            "preemptions_swap": st.preemptions_by_mode.get("swap", 0),
                            "preemptions_recompute": st.preemptions_by_mode.get("recompute", 0),
                            "prefix_cache_queries": st.prefix_cache_queries, "prefix_cache_hits": st.prefix_cache_hits,
-                           "cpu_usage": st.cpu_usage})
+                           "cpu_usage": st.cpu_usage}, e.max_running_priority())
 
     def _offer_load(self) -> None:
-        if self._publisher is None or self.failed:
-            return
-        pool = getattr(self.engine.kv, "pool", None)
-        hashes = set(pool.cached) if pool is not None and self.engine.config.enable_prefix_caching else set()
-        item = (self._load(), hashes)
-        try:
-            self._latest.get_nowait()  # drop an unpublished older load
-        except queue.Empty:
-            pass
-        self._latest.put_nowait(item)
-
-    def _publish_loop(self) -> None:
-        while not self._stop:
-            try:
-                load, hashes = self._latest.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            try:
-                self._publisher.publish(load, hashes)
-            except Exception:
-                time.sleep(0.05)  # Redis away: the next heartbeat tries again
+        if self._heartbeat is not None and not self.failed:
+            self._heartbeat.beat(self._load(), self.engine.kv)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from folio.worker.block_pool import BlockPool
-from folio.worker.hashing import DEFAULT_HASH_SEED, hash_block
+from folio.worker.hashing import DEFAULT_HASH_SEED, BlockHash, hash_block
 from folio.worker.sequence import Sequence
 from folio.worker.swap_space import SwapSpace
 
@@ -48,6 +48,8 @@ class KVCacheManager(Protocol):
     def usage(self) -> float: ...
     def slot_stats(self, seqs: list[Sequence]) -> tuple[int, int]: ...
     def check_invariants(self, seqs: list[Sequence]) -> None: ...
+    def cached_block_hashes(self) -> set[BlockHash]: ...
+    def prefix_cache_changes(self) -> tuple[dict[BlockHash, bool], bool]: ...
 
 
 class PagedKVManager:
@@ -73,6 +75,17 @@ class PagedKVManager:
         while len(hashes) < n:
             j = len(hashes)
             hashes.append(hash_block(hashes[-1] if j else None, toks[j * B : (j + 1) * B], self.hash_seed))
+
+    def cached_block_hashes(self) -> set[BlockHash]:
+        """Every prefix block hash this cache can serve now (O(cached blocks): for a resync)."""
+        return set(self.pool.cached) if self.enable_prefix_caching else set()
+
+    def prefix_cache_changes(self) -> tuple[dict[BlockHash, bool], bool]:
+        """The prefix hashes stored (True) or removed (False) since the last call, and whether
+        the caller must resync from `cached_block_hashes()` instead (the first call, an overflow)."""
+        if not self.enable_prefix_caching:
+            return {}, False
+        return self.pool.drain_events()
 
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:
         """Cached blocks holding a prefix of `seq` (no reference taken yet) and the tokens they cover.

@@ -8,6 +8,10 @@
 A free block may still hold a cached prefix block: it stays findable through
 `cached` until `allocate` takes it from the front of the queue and evicts it.
 Blocks with no hash are put at the front (nothing is lost by reusing them).
+
+With `record_events()` the pool also logs every hash it starts or stops caching
+(vLLM's BlockStored / BlockRemoved events), so a heartbeat sends the prefix index's
+changes in O(changes) instead of copying `cached` (O(cached blocks)) every time.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.cached: dict[BlockHash, int] = {}
         self.num_evictions = 0
+        self._events: list[tuple[BlockHash, bool]] | None = None  # (hash, cached now?), oldest first
+        self._events_lost = False
 
     @property
     def num_free(self) -> int:
@@ -44,6 +50,7 @@ class BlockPool:
             if h is not None:  # evict the cached prefix block it held
                 if self.cached.get(h) == b:
                     del self.cached[h]
+                    self._log(h, False)
                 self.block_hash[b] = None
                 self.block_tokens[b] = None
                 self.num_evictions += 1
@@ -81,12 +88,36 @@ class BlockPool:
         self.block_hash[b] = h
         self.block_tokens[b] = tokens
         self.cached[h] = b
+        self._log(h, True)
 
     def reset_prefix_cache(self) -> None:
         for h, b in list(self.cached.items()):
             self.block_hash[b] = None
             self.block_tokens[b] = None
+            self._log(h, False)
         self.cached.clear()
+
+    # ---- the change log ----------------------------------------------------------------
+    def record_events(self) -> None:
+        """Start logging cache changes for `drain_events` (from now on; `cached` is the past)."""
+        self._events, self._events_lost = [], False
+
+    def _log(self, h: BlockHash, stored: bool) -> None:
+        ev = self._events
+        if ev is not None:
+            ev.append((h, stored))
+            if len(ev) > 4 * self.num_blocks + 1024:  # nobody drains: stop, and say so once asked
+                self._events, self._events_lost = [], True
+
+    def drain_events(self) -> tuple[dict[BlockHash, bool], bool]:
+        """({hash: cached now?} for each hash whose state changed since the last drain, lost):
+        `lost` says the log overflowed and the caller must start again from `cached`."""
+        ev, lost = self._events, self._events_lost
+        if ev is None:  # the first call starts the log
+            self.record_events()
+            return {}, True
+        self._events, self._events_lost = [], False
+        return dict(ev), lost  # a later event for the same hash wins
 
     def check_invariants(self, expected_refs: list[int]) -> None:
         """Raise AssertionError unless ref counts equal `expected_refs` and the queue matches them."""

@@ -107,6 +107,12 @@ class ContiguousKVManager:
         used = sum(s.num_computed_tokens for s in seqs if s.seq_id in self.regions)
         return used, len(self.regions) * self.reserve_blocks * self.block_size
 
+    def cached_block_hashes(self) -> set:
+        return set()  # no prefix cache
+
+    def prefix_cache_changes(self) -> tuple[dict, bool]:
+        return {}, False
+
     def check_invariants(self, seqs: list[Sequence]) -> None:
         live = {s.seq_id for s in seqs}
         assert set(self.regions) <= live, "regions for dead sequences"

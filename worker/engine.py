@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterable
 import torch
 
 from folio.worker.block_manager import KVCacheManager, PagedKVManager
@@ -169,11 +170,14 @@ class LLMEngine:
             self.scheduler.preempt(seq)
         return bool(running)
 
-    def request_summaries(self) -> list[tuple[str, str, int, float, int]]:
+    def request_summaries(self, request_ids: Iterable[str] | None = None) -> list[tuple[str, str, int, float, int]]:
         """(request id, "running" | "waiting" | "swapped", priority, arrival (monotonic), device
-        blocks held or needed) for every unfinished request: what the coordinator plans with."""
+        blocks held or needed) for every unfinished request (or those of `request_ids` still
+        here): what the coordinator plans with."""
         out = []
-        for rid, group in self.groups.items():
+        groups = self.groups
+        items = groups.items() if request_ids is None else ((r, groups[r]) for r in request_ids if r in groups)
+        for rid, group in items:
             live = [s for s in group.seqs if not s.is_finished]
             if not live:
                 continue
@@ -184,6 +188,27 @@ class LLMEngine:
                          else self.kv.max_blocks_per_seq(s.num_tokens + 1) for s in live)
             out.append((rid, state, group.priority, group.arrival_time, blocks))
         return out
+
+    def queued_request_ids(self) -> list[str]:
+        """The requests with a sequence waiting or swapped out (O(queued), not O(all requests))."""
+        sch = self.scheduler
+        seqs = itertools.chain(sch.swapped, sch.waiting_sequences())
+        return list(dict.fromkeys(s.group.request_id for s in seqs))
+
+    def running_request_ids(self, min_priority: int | None = None) -> list[str]:
+        """The requests with a running sequence, of priority > `min_priority` when given."""
+        run = self.scheduler.running
+        return list(dict.fromkeys(s.group.request_id for s in run if min_priority is None or s.priority > min_priority))
+
+    def queued_prompt_tokens(self) -> int:
+        """Prompt tokens not yet computed, over waiting, swapped and running sequences."""
+        sch = self.scheduler
+        seqs = itertools.chain(sch.running, sch.swapped, sch.waiting_sequences())
+        return sum(max(s.num_prompt_tokens - s.num_computed_tokens, 0) for s in seqs)
+
+    def max_running_priority(self) -> int | None:
+        """The largest priority value (the least urgent) among running requests."""
+        return max((s.priority for s in self.scheduler.running), default=None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)

@@ -92,6 +92,9 @@ class WorkerLoad:
     draining: bool = False
     requests: list[RequestSummary] = field(default_factory=list)
     counters: dict = field(default_factory=dict)  # cumulative engine figures for /metrics
+    # `requests` lists only the requests waiting for room (the most urgent QUEUED_IN_LOAD);
+    # running ones are asked for (EngineWorker.running_requests) when a preemption is planned
+    max_running_priority: int | None = None  # the least urgent running request's priority
 
     @property
     def kv_usage(self) -> float:

@@ -90,6 +90,10 @@ class Scheduler:
             heapq.heappop(self._waiting)  # lazily drop aborted entries
         return self._waiting[0][3] if self._waiting else None
 
+    def waiting_sequences(self) -> list[Sequence]:
+        """The waiting sequences, in no particular order."""
+        return list(dict.fromkeys(e[3] for e in self._waiting if e[3].status is SequenceStatus.WAITING))
+
     @property
     def num_waiting(self) -> int:
         return self._num_waiting

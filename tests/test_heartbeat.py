@@ -1,0 +1,132 @@
+"""Heartbeats that cost what changed: a worker (simulated engine: the real scheduler and
+block manager) publishing to a real Redis keeps the Redis prefix index equal to its
+cache map from changes alone, resyncs only when Redis lost the index, and lists no
+running request; the coordinator asks for victims when it plans a preemption."""
+
+import asyncio
+import functools
+import random
+import time
+
+import redis
+
+from folio.cluster.redis_server import EmbeddedRedis
+from folio.cluster.state import ClusterState, WorkerPublisher
+from folio.cluster.worker_client import LocalWorkerClient
+from folio.worker.actor import EngineWorker
+from folio.worker.messages import GenerateRequest
+from folio.worker.roofline import Roofline
+from folio.worker.sampling_params import SamplingParams
+from folio.worker.sim_engine import SimulatedEngine
+
+
+class CountingPublisher(WorkerPublisher):
+    """The real publisher, recording what each heartbeat carried."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.sent: list[tuple[str, int]] = []  # ("whole" | "changes", number of hashes)
+
+    def publish(self, load, cached_block_hashes=None, changes=None):
+        self.sent.append(("whole", len(cached_block_hashes)) if cached_block_hashes is not None
+                         else ("changes", len(changes or {})))
+        return super().publish(load, cached_block_hashes, changes)
+
+
+def _worker(url, ns, wid="w0", blocks=64):
+    pub = functools.partial(CountingPublisher, url, ns)
+    eng = functools.partial(SimulatedEngine, Roofline.named(), block_size=4, num_kv_blocks=blocks, time_scale=0.0)
+    return EngineWorker(wid, eng, pub, heartbeat_s=0.01)
+
+
+def _redis_index(url, ns, wid):
+    return set(redis.Redis.from_url(url).smembers(f"{ns}:prefix:{wid}"))
+
+
+def _wait_equal(w, url, ns, deadline_s=10.0):
+    end = time.monotonic() + deadline_s
+    while True:
+        want = w.engine.kv.cached_block_hashes()  # read while idle: nothing runs on the step thread
+        got = _redis_index(url, ns, w.worker_id)
+        if got == want or time.monotonic() > end:
+            return got, want
+        time.sleep(0.02)
+
+
+async def _run(w, rng, n):
+    families = [[rng.randrange(1, 50) for _ in range(rng.randrange(4, 24))] for _ in range(4)]
+
+    async def one(i):
+        prompt = rng.choice(families) + [rng.randrange(1, 50) for _ in range(rng.randrange(0, 12))]
+        req = GenerateRequest(f"r{i}", prompt, SamplingParams(max_tokens=rng.randrange(1, 12), ignore_eos=True))
+        async for _ in w.generate(req):
+            pass
+    await asyncio.gather(*(one(i) for i in range(n)))
+
+
+def test_the_redis_prefix_index_follows_the_cache_by_changes_alone():
+    rng = random.Random(0)
+    with EmbeddedRedis() as server:
+        w = _worker(server.url, "hb")
+        try:
+            for round_ in range(6):  # cache churn in a small pool: stores and evictions
+                asyncio.run(_run(w, rng, 30))
+                got, want = _wait_equal(w, server.url, "hb")
+                assert got == want, f"round {round_}: Redis index != the cache map"
+            sent = w._heartbeat.publisher.sent
+            assert [k for k, _ in sent].count("whole") == 1 == w._heartbeat.num_resyncs, "only the first is whole"
+            assert sum(n for k, n in sent if k == "changes") > 0
+            idle = len(sent)
+            time.sleep(0.2)  # idle: heartbeats go on, carrying nothing
+            assert len(sent) > idle and all(n == 0 for _, n in sent[idle + 1:])
+
+            server.restart()  # Redis lost everything, between two heartbeats that succeed
+            got, want = _wait_equal(w, server.url, "hb")
+            assert got == want and want, "a Redis restart is followed by a resync"
+            assert w._heartbeat.num_resyncs >= 2
+            asyncio.run(_run(w, rng, 30))
+            got, want = _wait_equal(w, server.url, "hb")
+            assert got == want
+        finally:
+            w.shutdown()
+
+
+def test_heartbeats_list_no_running_request_and_the_coordinator_asks_for_victims():
+    """A low-priority request runs on b; a high-priority one starves on a. b's heartbeat
+    lists none of its running requests; the coordinator asks b and preempts it there."""
+    from folio.cluster.coordinator import Coordinator
+
+    with EmbeddedRedis() as server:
+        eng = functools.partial(SimulatedEngine, Roofline.named(), block_size=16, num_kv_blocks=40, time_scale=1.0)
+        pub = functools.partial(WorkerPublisher, server.url, "v")
+        workers = {w: EngineWorker(w, eng, pub, heartbeat_s=0.02) for w in ("a", "b")}
+        client = LocalWorkerClient(workers)
+        coord = Coordinator(ClusterState(server.url, "v"), client, interval_s=0.05)
+
+        async def main():
+            def req(rid, prompt, n, prio):
+                return GenerateRequest(rid, prompt, SamplingParams(max_tokens=n, ignore_eos=True), priority=prio)
+            low = [asyncio.create_task(_drain(client.generate(w, req(f"low-{w}", list(range(1 + i, 401 + i)), 100, 5))))
+                   for i, w in enumerate("ab")]
+            await asyncio.sleep(0.2)
+            load_b = await workers["b"].load()
+            assert load_b.num_running == 1 and load_b.requests == [] and load_b.max_running_priority == 5
+            hi = asyncio.create_task(_drain(client.generate("a", req("hi", list(range(3, 303)), 20, 0))))
+            deadline = time.monotonic() + 20
+            while coord.num_moves == 0 and time.monotonic() < deadline:
+                await coord.round()
+                await asyncio.sleep(0.05)
+            assert coord.num_moves >= 1 and coord.num_victim_queries >= 1 and coord.num_preempted >= 1
+            for t in [hi, *low]:
+                t.cancel()
+            await asyncio.gather(hi, *low, return_exceptions=True)
+        try:
+            asyncio.run(main())
+        finally:
+            for w in workers.values():
+                w.shutdown()
+
+
+async def _drain(stream):
+    async for _ in stream:
+        pass
