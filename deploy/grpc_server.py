@@ -1,5 +1,7 @@
 """The gRPC frontend: folio.v1.Generation (deploy/proto/folio/v1/generate.proto), the
-standard grpc.health.v1.Health service, and server reflection.
+standard grpc.health.v1.Health service, and server reflection: both grpc.reflection.v1 and
+v1alpha (grpcio-reflection ships only v1alpha; v1 is the same protocol, messages and field
+numbers, under another package name, so the same servicer answers it; see `_reflection`).
 
 Status codes: INVALID_ARGUMENT (bad input), RESOURCE_EXHAUSTED (admission queue
 full), UNAVAILABLE (no live worker), DEADLINE_EXCEEDED (the client's deadline: the
@@ -214,6 +216,57 @@ def add_generation_servicer(servicer: GenerationServicer, server) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
 
 
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+_REFLECTION_V1_FILE = "grpc/reflection/v1/reflection.proto"
+
+
+def _reflection_v1_descriptor() -> None:
+    """v1's file descriptor (v1alpha's, renamed) in the default pool, so reflection can describe
+    the v1 service too. Idempotent; a pool that has it already (a newer grpcio-reflection) is kept."""
+    from google.protobuf import descriptor_pb2, descriptor_pool
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    pool = descriptor_pool.Default()
+    try:
+        pool.FindFileByName(_REFLECTION_V1_FILE)
+        return
+    except KeyError:
+        pass
+    fdp = descriptor_pb2.FileDescriptorProto()
+    reflection_pb2.DESCRIPTOR.CopyToProto(fdp)
+    old, new = "." + fdp.package + ".", ".grpc.reflection.v1."
+    fdp.name, fdp.package = _REFLECTION_V1_FILE, "grpc.reflection.v1"
+    fdp.ClearField("options")
+    messages = list(fdp.message_type)
+    while messages:
+        m = messages.pop()
+        messages.extend(m.nested_type)
+        for f in m.field:
+            if f.HasField("type_name"):  # (assigning "" would mark a scalar field as typed)
+                f.type_name = f.type_name.replace(old, new)
+    for svc in fdp.service:
+        for meth in svc.method:
+            meth.input_type, meth.output_type = meth.input_type.replace(old, new), meth.output_type.replace(old, new)
+    pool.AddSerializedFile(fdp.SerializeToString())
+
+
+def _reflection(server: grpc.aio.Server) -> None:
+    """Server reflection as grpc.reflection.v1alpha (grpcio-reflection's) and grpc.reflection.v1
+    (the same servicer behind v1's method name: the wire format is identical)."""
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    names = (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, REFLECTION_V1,
+             reflection.SERVICE_NAME)
+    _reflection_v1_descriptor()
+    reflection.enable_server_reflection(names, server)
+    servicer = reflection.aio.ReflectionServicer(names)
+    handler = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo, request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1,
+                                                                          {"ServerReflectionInfo": handler}),))
+
+
 async def start_grpc_server(frontend: Frontend, port: int, host: str = "0.0.0.0") -> grpc.aio.Server:
     """Serves on host:port only (`folio serve --host`), never on every interface unless told."""
     interceptors = [ApiKeyInterceptor(frontend.cfg.api_key)] if frontend.cfg.api_key else []
@@ -221,8 +274,7 @@ async def start_grpc_server(frontend: Frontend, port: int, host: str = "0.0.0.0"
     add_generation_servicer(GenerationServicer(frontend), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                                         reflection.SERVICE_NAME), server)
+    _reflection(server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # an IPv6 literal needs brackets
     if server.add_insecure_port(address) == 0:
         raise RuntimeError(f"cannot bind the gRPC port {port}")

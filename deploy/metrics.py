@@ -13,14 +13,23 @@ keep their last values (their age grows) instead of vanishing.
 Frontend: folio_requests_total{finish_reason} and the histograms
 folio_time_to_first_token_seconds, folio_inter_token_latency_seconds,
 folio_e2e_request_latency_seconds, folio_queue_time_seconds.
+
+Every series of a request, a token or a worker carries `model_name` (the first served
+name), as vLLM's do (its dashboards select on it); folio_cluster_state_up does not (it is
+about Redis). No `_created` series (prometheus_client's, disabled as vLLM does). `render`
+answers in OpenMetrics when the scraper's Accept header asks for it, else in Prometheus'
+text format 0.0.4.
 """
 
 from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import choose_encoder
+
+disable_created_metrics()  # process-wide: no metric of this process has a _created series
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
@@ -28,8 +37,8 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
 class WorkerCollector:
     """Reads the live workers' last heartbeats (cluster/state.py) when scraped."""
 
-    def __init__(self, state) -> None:
-        self.state = state
+    def __init__(self, state, model_name: str = "") -> None:
+        self.state, self.model_name = state, model_name
         self._last: dict = {}  # the loads of the last scrape that reached the cluster state
 
     def collect(self):
@@ -43,11 +52,12 @@ class WorkerCollector:
         g = GaugeMetricFamily("folio_cluster_state_up", "1 if the cluster state (Redis) answered this scrape, else 0")
         g.add_metric([], up)
         yield g
+        m = self.model_name
         age = GaugeMetricFamily("folio_worker_heartbeat_age_seconds", "Age of the worker's figures below",
-                                labels=["worker"])
+                                labels=["model_name", "worker"])
         now = time.time()
         for w, l in loads.items():
-            age.add_metric([w], max(now - l.timestamp, 0.0))
+            age.add_metric([m, w], max(now - l.timestamp, 0.0))
         yield age
         gauges = {
             "folio_requests_running": ("Requests running on the worker", lambda l: l.num_running),
@@ -57,14 +67,14 @@ class WorkerCollector:
             "folio_cpu_swap_usage_ratio": ("CPU swap blocks in use / all", lambda l: l.counters.get("cpu_usage", 0.0)),
         }
         for name, (doc, get) in gauges.items():
-            g = GaugeMetricFamily(name, doc, labels=["worker"])
+            g = GaugeMetricFamily(name, doc, labels=["model_name", "worker"])
             for w, l in loads.items():
-                g.add_metric([w], float(get(l)))
+                g.add_metric([m, w], float(get(l)))
             yield g
-        pre = CounterMetricFamily("folio_preemptions", "Preemptions by mode", labels=["worker", "mode"])
+        pre = CounterMetricFamily("folio_preemptions", "Preemptions by mode", labels=["model_name", "worker", "mode"])
         for w, l in loads.items():
             for mode in ("swap", "recompute"):
-                pre.add_metric([w, mode], float(l.counters.get(f"preemptions_{mode}", 0)))
+                pre.add_metric([m, w, mode], float(l.counters.get(f"preemptions_{mode}", 0)))
         yield pre
         counters = {
             "folio_swapped_out_blocks": ("KV blocks swapped out to CPU", lambda l: l.swapped_out_blocks),
@@ -77,26 +87,38 @@ class WorkerCollector:
             "folio_prefix_cache_hits": ("Prefix-cache blocks found", lambda l: l.counters.get("prefix_cache_hits", 0)),
         }
         for name, (doc, get) in counters.items():
-            c = CounterMetricFamily(name, doc, labels=["worker"])
+            c = CounterMetricFamily(name, doc, labels=["model_name", "worker"])
             for w, l in loads.items():
-                c.add_metric([w], float(get(l)))
+                c.add_metric([m, w], float(get(l)))
             yield c
 
 
-class Metrics:
-    def __init__(self, state) -> None:
-        self.registry = CollectorRegistry()
-        self.registry.register(WorkerCollector(state))
-        r = self.registry
-        self.requests = Counter("folio_requests", "Finished requests", ["finish_reason"], registry=r)
-        self.ttft = Histogram("folio_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
-                              registry=r)
-        self.itl = Histogram("folio_inter_token_latency_seconds", "Time between streamed tokens",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("folio_e2e_request_latency_seconds", "Arrival to last token", buckets=LATENCY_BUCKETS,
-                             registry=r)
-        self.queue = Histogram("folio_queue_time_seconds", "Arrival to first scheduled", buckets=LATENCY_BUCKETS,
-                               registry=r)
+class _Labelled:
+    """A metric with its `model_name` label bound: `.labels(finish_reason=...)` adds the rest."""
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def __init__(self, metric, model_name: str) -> None:
+        self.metric, self.model_name = metric, model_name
+
+    def labels(self, **labels):
+        return self.metric.labels(model_name=self.model_name, **labels)
+
+
+class Metrics:
+    def __init__(self, state, model_name: str = "") -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(WorkerCollector(state, model_name))
+        r, m = self.registry, ["model_name"]
+
+        def hist(name: str, doc: str):
+            return Histogram(name, doc, m, buckets=LATENCY_BUCKETS, registry=r).labels(model_name=model_name)
+        self.requests = _Labelled(Counter("folio_requests", "Finished requests", m + ["finish_reason"], registry=r),
+                                  model_name)
+        self.ttft = hist("folio_time_to_first_token_seconds", "Time to first token")
+        self.itl = hist("folio_inter_token_latency_seconds", "Time between streamed tokens")
+        self.e2e = hist("folio_e2e_request_latency_seconds", "Arrival to last token")
+        self.queue = hist("folio_queue_time_seconds", "Arrival to first scheduled")
+
+    def render(self, accept: str | None = None) -> tuple[bytes, str]:
+        """(body, content type): OpenMetrics if `accept` (an Accept header) asks for it."""
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type

@@ -1,7 +1,7 @@
 """The separate Prometheus port (`folio serve --metrics-port`): a small threaded HTTP server
 bound to the configured host that serves the registry at any path, behind the same API key
 as the HTTP API (`Authorization: Bearer <key>`, 401 otherwise). prometheus_client's own
-`start_http_server` has no auth, hence this.
+`start_http_server` has no auth, hence this. OpenMetrics when the Accept header asks for it.
 
     server = start_metrics_server(registry, port, host, api_key)   # serves in a daemon thread
     server.shutdown()
@@ -13,7 +13,7 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import choose_encoder
 
 from folio.deploy.auth import bearer_ok
 
@@ -27,7 +27,8 @@ def start_metrics_server(registry, port: int, host: str, api_key: str | None) ->
                                              "code": "invalid_api_key"}}).encode()
                 self._send(401, body, "application/json")
                 return
-            self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+            encoder, content_type = choose_encoder(self.headers.get("Accept") or "")
+            self._send(200, encoder(registry), content_type)
 
         def _send(self, status: int, body: bytes, ctype: str) -> None:
             self.send_response(status)
