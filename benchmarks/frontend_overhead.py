@@ -60,7 +60,7 @@ def main() -> None:
     server = subprocess.Popen([sys.executable, "-m", "folio.deploy.cli", "serve", "--model", args.model,
                                "--num-workers", "1", "--host", "127.0.0.1", "--http-port", str(http), "--grpc-port",
                                str(grpc_port), "--block-size", "16", "--num-kv-blocks", "256", "--max-model-len",
-                               "1024", "--router", "least-loaded", "--namespace", "overhead"],
+                               "1024", "--router", "least-loaded", "--namespace", "overhead", "--served-model-name", "m"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env=dict(os.environ, RAY_AUTH_MODE="disabled"))
     try:

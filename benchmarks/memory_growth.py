@@ -111,7 +111,7 @@ def run_serve(args) -> dict:
     cmd = [sys.executable, "-m", "folio.deploy.cli", "serve", "--model", args.model, "--num-workers", "1",
            "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", "0", "--block-size", "16",
            "--num-kv-blocks", "256", "--max-model-len", "512", "--max-num-requests", "1024",
-           "--namespace", f"mem{os.getpid()}", "--grace-period-s", "1"]
+           "--namespace", f"mem{os.getpid()}", "--grace-period-s", "1", "--served-model-name", "m"]
     srv = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 300

@@ -47,7 +47,7 @@ class FrontendConfig:
     max_num_requests: int = 256  # prompts in flight through one frontend replica; more get 429
     max_num_seqs: int = 256  # the workers' limit: n (and best_of) above it get 400
     api_key: str | None = None
-    served_model_name: str | None = None  # what /v1/models lists (default: the directory's name)
+    served_model_name: str | list[str] | None = None  # what /v1/models lists (aliases; default: the directory's name)
     grpc_port: int | None = 50051
     metrics_port: int | None = None
     host: str = "0.0.0.0"  # what the gRPC and metrics ports bind (`folio serve --host`)
@@ -55,7 +55,9 @@ class FrontendConfig:
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or os.path.basename(os.path.normpath(self.model))
+        names = self.served_model_name  # several: aliases, the first is the model's name
+        names = names if isinstance(names, str) or not names else names[0]
+        return names or os.path.basename(os.path.normpath(self.model))
 
 
 def default_max_tokens(max_model_len: int, block_size: int, kv_blocks: list[int], n_prompt: int,
@@ -99,7 +101,7 @@ class Frontend:
         self.tokenizer = self.prompts.tokenizer
         state = ClusterState(cfg.redis_url, cfg.namespace)
         self.router = router or Router(state, RayWorkerClient(cfg.namespace, cfg.namespace), cfg.router)
-        self.metrics = Metrics(ClusterState(cfg.redis_url, cfg.namespace))
+        self.metrics = Metrics(ClusterState(cfg.redis_url, cfg.namespace), cfg.model_name)
         self.in_flight = 0
 
     # ---- prompts and checks ------------------------------------------------------------

@@ -2,9 +2,17 @@
 /health, /metrics. Server-sent events end with `data: [DONE]`; errors use OpenAI's
 JSON shape: {"error": {"message", "type", "param", "code"}}.
 
-    400 bad input · 401 missing/wrong API key · 413 body too large (serve_app)
+    400 bad input, a field Folio does not implement (param names it), or a prompt plus
+        max_tokens past max_model_len (code context_length_exceeded; never clamped)
+    401 missing/wrong API key · 404 an unknown model (code model_not_found) · 413 body too large
     429 admission queue full (Retry-After) · 503 no live worker (or the worker serving it
     died after streaming tokens) · 500 anything unexpected, still in this shape
+
+`model` must be one of the served names (`--served-model-name`, aliases allowed; absent: the
+first), and the response names the one asked for. Completions without max_tokens get 16
+(OpenAI's and vLLM's default) or what fits if less; `max_tokens: null`, and chat without a
+limit, get what fits. Completions logprobs carry `text_offset`: each token's character
+offset in the choice's text (the echoed prompt included).
 
 Bodies are parsed by the typed models of openai_schema.py (the bounds are SamplingParams');
 a request's prompts are checked, then admitted whole, and every path out of a run after
@@ -65,9 +73,42 @@ def check_auth(api_key: str | None, authorization: str | None) -> None:
                         "invalid_api_key")
 
 
+# ---- model names ---------------------------------------------------------------------------
+def served_names(cfg) -> list[str]:
+    """What `model` may be: `--served-model-name`'s names (aliases), else the checkpoint's name."""
+    names = cfg.served_model_name
+    names = [names] if isinstance(names, str) else list(names or [])
+    return [n for n in names if n] or [cfg.model_name]
+
+
+def resolve_model(frontend: Frontend, model: str | None) -> str:
+    """The served name a request asked for (absent: the first), or 404 model_not_found."""
+    names = served_names(frontend.cfg)
+    if model is None:
+        return names[0]
+    if model not in names:
+        raise HTTPError(404, f"The model `{model}` does not exist.", "invalid_request_error", "model_not_found",
+                        param="model")
+    return model
+
+
 # ---- request parsing ---------------------------------------------------------------------
 async def completion_prompts(frontend: Frontend, req: CompletionRequest) -> list[list[int]]:
-    return [frontend.token_ids(p) if isinstance(p, list) else await frontend.text_ids(p) for p in req.prompts()]
+    special = req.add_special_tokens is not False
+    return [req.truncate(frontend.token_ids(p) if isinstance(p, list)
+                         else await frontend.prompts.text_ids(p, special)) for p in req.prompts()]
+
+
+def check_context(frontend: Frontend, prompts: list[list[int]], max_tokens: int, chat: bool, param: str) -> None:
+    """A prompt plus max_tokens past max_model_len is a 400, as vLLM's (never a silent clamp)."""
+    limit = frontend.cfg.max_model_len
+    longest = max(len(p) for p in prompts)
+    if longest < limit < longest + max_tokens:  # (a prompt alone too long: frontend.check says so)
+        where = "in the messages" if chat else "in the prompt"
+        raise HTTPError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                             f"{longest + max_tokens} tokens ({longest} {where}, {max_tokens} in the completion). "
+                             f"Please reduce the length of the {'messages' if chat else 'prompt'} or completion.",
+                        "invalid_request_error", "context_length_exceeded", param=param)
 
 
 def _top(d: dict, k: int) -> list[tuple[int, float]]:
@@ -75,19 +116,39 @@ def _top(d: dict, k: int) -> list[tuple[int, float]]:
     return sorted(d.items(), key=lambda kv: -kv[1])[:k]
 
 
-def _logprobs_completion(tok, entries: list[dict], k: int) -> dict:
-    tokens, lps, tops = [], [], []
+def _token_text(tok, as_ids: bool):
+    return (lambda t: f"token_id:{t}") if as_ids else (lambda t: tok.decode([t]))
+
+
+def _logprobs_completion(tok, entries: list[dict], k: int, spans: list[tuple[int, int, int]],
+                         as_ids: bool = False) -> dict:
+    """spans: (offset, characters, tokens) of each delta the entries came in, in order: a token's
+    text_offset is where its delta's text starts in the choice's text plus the text of the
+    delta's tokens before it (clipped to the delta's text: a held-back or stop-cut token's text
+    starts where the delta's ends)."""
+    text = _token_text(tok, as_ids)
+    tokens, lps, tops, offsets, lengths = [], [], [], [], []
     for d in entries:
         chosen = next(iter(d))
-        tokens.append(tok.decode([chosen]))
+        tokens.append(text(chosen))
+        lengths.append(len(tokens[-1] if not as_ids else tok.decode([chosen])))
         lps.append(d[chosen])
-        tops.append({tok.decode([t]): lp for t, lp in _top(d, k)})
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": []}
+        tops.append({text(t): lp for t, lp in _top(d, k)})
+    at = 0
+    for offset, chars, count in spans:
+        inner = 0
+        for n in lengths[at:at + count]:
+            offsets.append(offset + min(inner, chars))
+            inner += n
+        at += count
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _logprobs_chat(tok, entries: list[dict], k: int) -> dict:
+def _logprobs_chat(tok, entries: list[dict], k: int, as_ids: bool = False) -> dict:
+    text = _token_text(tok, as_ids)
+
     def item(t, lp):
-        s = tok.decode([t])
+        s = text(t)
         return {"token": s, "logprob": lp, "bytes": list(s.encode())}
     content = []
     for d in entries:
@@ -106,7 +167,9 @@ class _Run:
         self.frontend, self.prompts, self.params, self.priority = frontend, prompts, params, priority
         self.admission = admission
         self.id = uuid.uuid4().hex
-        self.usage = {"prompt_tokens": sum(len(p) for p in prompts), "completion_tokens": 0, "total_tokens": 0}
+        n_prompt = sum(len(p) for p in prompts)
+        self.usage = {"prompt_tokens": n_prompt, "completion_tokens": 0, "total_tokens": n_prompt}
+        self.echo: list[str] | None = None  # completions' echo: each prompt's text, put before its choices
 
     async def events(self) -> AsyncIterator[tuple[int, object]]:
         """(choice index, CompletionDelta) as they come, across all prompts."""
@@ -189,21 +252,38 @@ async def completions(frontend: Frontend, body: dict):
     """Returns a dict (non-streaming) or an async iterator of SSE byte strings."""
     _too_many_prompts(frontend, body)
     req = await _parse(CompletionRequest, body)
-    if req.echo:
-        raise InvalidRequestError("echo is not supported", param="echo")
-    params = req.sampling_params(16)
-    return await _start(frontend, req, await completion_prompts(frontend, req), params, chat=False)
+    model = resolve_model(frontend, req.model)
+    n = req.sampling_params(1).n  # the cheap checks (and the refusals) before any tokenizing
+    prompts = await completion_prompts(frontend, req)
+    if req.max_tokens is not None:
+        default = req.max_tokens
+    elif "max_tokens" in req.model_fields_set:  # an explicit null: what fits (vLLM)
+        default = min([await frontend.default_max_tokens(len(p), n) for p in prompts])
+    else:  # absent: 16, or what fits if less
+        default = max(1, min([16] + [frontend.cfg.max_model_len - len(p) for p in prompts]))
+    params = req.sampling_params(default)
+    check_context(frontend, prompts, params.max_tokens, False, "max_tokens")
+    echo = None
+    if req.echo:  # the prompt as given; token ids (or a truncated prompt) decoded
+        echo = [p if isinstance(p, str) and req.truncate_prompt_tokens is None
+                else await frontend.prompts.run(frontend.tokenizer.decode, ids) for p, ids in zip(req.prompts(), prompts)]
+    return await _start(frontend, req, prompts, params, False, model, echo)
 
 
 async def chat_completions(frontend: Frontend, body: dict):
     req = await _parse(ChatCompletionRequest, body)
+    model = resolve_model(frontend, req.model)
     n = req.sampling_params(1).n  # the cheap checks before the template is rendered
-    ids = await frontend.chat_ids(req.message_dicts())
+    ids = req.truncate(await frontend.prompts.chat_ids(req.template_messages(), req.add_generation_prompt is not False,
+                                                       req.template_kwargs()))
     params = req.sampling_params(await frontend.default_max_tokens(len(ids), n))
-    return await _start(frontend, req, [ids], params, chat=True)
+    check_context(frontend, [ids], params.max_tokens, True,
+                  "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+    return await _start(frontend, req, [ids], params, True, model, None)
 
 
-async def _start(frontend: Frontend, req, prompts: list[list[int]], params: SamplingParams, chat: bool):
+async def _start(frontend: Frontend, req, prompts: list[list[int]], params: SamplingParams, chat: bool, model: str,
+                 echo: list[str] | None):
     priority = 0 if req.priority is None else req.priority
     frontend.check(prompts, params, priority)
     admission = frontend.admit(len(prompts))
@@ -212,14 +292,30 @@ async def _start(frontend: Frontend, req, prompts: list[list[int]], params: Samp
     except BaseException:
         admission.release()
         raise
-    return await _respond(frontend, req, run, chat)
+    run.echo = echo
+    return await _respond(frontend, req, run, chat, model)
 
 
-async def _respond(frontend: Frontend, req, run: _Run, chat: bool):
-    model = frontend.cfg.model_name
+class _Choice:
+    """One choice's text so far and where each delta's text sits in it (for text_offset)."""
+
+    def __init__(self, prefix: str = "") -> None:
+        self.texts, self.length, self.entries, self.spans, self.reason = [prefix], len(prefix), [], [], None
+
+    def add(self, d) -> None:
+        if d.logprobs:
+            self.entries.extend(d.logprobs)
+            self.spans.append((self.length, len(d.text), len(d.logprobs)))
+        self.texts.append(d.text)
+        self.length += len(d.text)
+        if d.finish_reason:
+            self.reason = d.finish_reason
+
+
+async def _respond(frontend: Frontend, req, run: _Run, chat: bool, model: str):
     created = int(time.time())
     obj = "chat.completion" if chat else "text_completion"
-    rid = ("chatcmpl-" if chat else "cmpl-") + run.id
+    rid = ("chatcmpl-" if chat else "cmpl-") + (req.request_id or run.id)
     events = run.events()
     try:
         first = await events.__anext__()  # admission and validation errors surface here, as a status code
@@ -239,61 +335,68 @@ async def _respond(frontend: Frontend, req, run: _Run, chat: bool):
             await events.aclose()
 
     if req.stream:
-        return _sse(all_events(), run, rid, obj + (".chunk" if chat else ""), created, model, chat,
-                    req.include_usage, frontend)
+        return _sse(all_events(), run, rid, obj + (".chunk" if chat else ""), created, model, chat, req, frontend)
+    choices: dict[int, _Choice] = {}
     try:
-        texts: dict[int, list[str]] = {}
-        reasons: dict[int, str] = {}
-        lps: dict[int, list] = {}
         async for i, d in all_events():
             run.count(d)
-            texts.setdefault(i, []).append(d.text)
-            if d.logprobs:
-                lps.setdefault(i, []).extend(d.logprobs)
-            if d.finish_reason:
-                reasons[i] = d.finish_reason
+            if i not in choices:
+                choices[i] = _Choice(run.echo[i // run.params.n] if run.echo else "")
+            choices[i].add(d)
     finally:
         await events.aclose()
-    choices = []
-    for i in sorted(texts):
-        text = "".join(texts[i])
+    out = []
+    as_ids = bool(req.return_tokens_as_token_ids)
+    for i in sorted(choices):
+        c = choices[i]
+        text = "".join(c.texts)
         lp = None
         if run.params.logprobs is not None:
-            fmt = _logprobs_chat if chat else _logprobs_completion
-            lp = await frontend.prompts.run(fmt, frontend.tokenizer, lps.get(i, []), run.params.logprobs)
+            if chat:
+                lp = await frontend.prompts.run(_logprobs_chat, frontend.tokenizer, c.entries, run.params.logprobs,
+                                                as_ids)
+            else:
+                lp = await frontend.prompts.run(_logprobs_completion, frontend.tokenizer, c.entries,
+                                                run.params.logprobs, c.spans, as_ids)
         if chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                            "finish_reason": reasons.get(i)})
+            out.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                        "finish_reason": c.reason})
         else:
-            choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": reasons.get(i)})
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices, "usage": run.usage}
+            out.append({"index": i, "text": text, "logprobs": lp, "finish_reason": c.reason})
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": out, "usage": run.usage}
 
 
-async def _sse(events, run, rid, obj, created, model, chat, include_usage, frontend) -> AsyncIterator[bytes]:
+async def _sse(events, run, rid, obj, created, model, chat, req, frontend) -> AsyncIterator[bytes]:
     tok = frontend.tokenizer
+    as_ids = bool(req.return_tokens_as_token_ids)
+
     def line(payload) -> bytes:
         return f"data: {json.dumps(payload)}\n\n".encode()
-    started: set[int] = set()
+    lengths: dict[int, int] = {}  # characters streamed so far per choice
     try:
         async for i, d in events:
             run.count(d)
             if chat:
-                delta = {} if i in started else {"role": "assistant"}
-                started.add(i)
+                delta = {} if i in lengths else {"role": "assistant"}
+                lengths[i] = 0
                 if d.text:
                     delta["content"] = d.text
                 choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": d.finish_reason}
                 if d.logprobs and run.params.logprobs is not None:
-                    choice["logprobs"] = _logprobs_chat(tok, d.logprobs, run.params.logprobs)
+                    choice["logprobs"] = _logprobs_chat(tok, d.logprobs, run.params.logprobs, as_ids)
             else:
-                choice = {"index": i, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason}
+                prefix = run.echo[i // run.params.n] if run.echo and i not in lengths else ""
+                at = lengths.get(i, 0) + len(prefix)
+                lengths[i] = at + len(d.text)
+                choice = {"index": i, "text": prefix + d.text, "logprobs": None, "finish_reason": d.finish_reason}
                 if d.logprobs and run.params.logprobs is not None:
-                    choice["logprobs"] = _logprobs_completion(tok, d.logprobs, run.params.logprobs)
+                    choice["logprobs"] = _logprobs_completion(tok, d.logprobs, run.params.logprobs,
+                                                              [(at, len(d.text), len(d.logprobs))], as_ids)
             chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
-            if include_usage:
-                chunk["usage"] = None
+            if req.include_usage:
+                chunk["usage"] = dict(run.usage) if req.continuous_usage else None
             yield line(chunk)
-        if include_usage:
+        if req.include_usage:
             yield line({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
                         "usage": run.usage})
     except Exception as e:  # after the first byte the status is sent: report in the stream
@@ -304,6 +407,15 @@ async def _sse(events, run, rid, obj, created, model, chat, include_usage, front
     yield b"data: [DONE]\n\n"
 
 
+def model_card(frontend: Frontend, name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "folio", "root": served_names(frontend.cfg)[0],
+            "parent": None, "max_model_len": frontend.cfg.max_model_len}
+
+
 def models(frontend: Frontend) -> dict:
-    return {"object": "list", "data": [{"id": frontend.cfg.model_name, "object": "model", "created": 0,
-                                        "owned_by": "folio", "max_model_len": frontend.cfg.max_model_len}]}
+    return {"object": "list", "data": [model_card(frontend, n) for n in served_names(frontend.cfg)]}
+
+
+def model(frontend: Frontend, model_id: str) -> dict:
+    """GET /v1/models/{id}: the card, or 404 model_not_found."""
+    return model_card(frontend, resolve_model(frontend, model_id))

@@ -15,7 +15,9 @@ Chat: special tokens typed inside message content are text, never role markers. 
 template is rendered with a sentinel in place of each content; the template's own text
 is tokenized with special tokens parsed, each content with them split
 (`split_special_tokens=True`), and the pieces are joined. For contents free of special
-tokens the ids equal `apply_chat_template(tokenize=True)`'s.
+tokens the ids equal `apply_chat_template(tokenize=True)`'s. What the template renders
+from other fields (a message's name, tool_calls, tool_call_id; chat_template_kwargs)
+cannot be split out that way: such text holding a special token's text is refused.
 """
 
 from __future__ import annotations
@@ -64,11 +66,11 @@ class Prompts:
         return check_token_ids(ids, self.vocab_size)
 
     # ---- text --------------------------------------------------------------------------
-    async def text_ids(self, text: str) -> list[int]:
+    async def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not text:
             raise InvalidRequestError("the prompt is empty")
         self.check_length(len(text))
-        ids = await self.run(self._encode, text, True, False)
+        ids = await self.run(self._encode, text, add_special_tokens, False)
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         return ids
@@ -80,26 +82,40 @@ class Prompts:
             raise InvalidRequestError(f"the prompt cannot be tokenized: {type(e).__name__}") from None
 
     # ---- chat --------------------------------------------------------------------------
-    async def chat_ids(self, messages: list[dict]) -> list[int]:
+    async def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+                       template_kwargs: dict | None = None) -> list[int]:
+        """messages as openai_schema's `template_messages()` gives them (content a string; name,
+        tool_calls, tool_call_id as transformers' templates expect); template_kwargs go to the template."""
         if not messages:
             raise InvalidRequestError("messages must be a non-empty list")
-        self.check_length(sum(len(m["content"]) for m in messages))
-        ids = await self.run(self._chat, messages)
+        extra = [_strings(m, skip="content") for m in messages] + [_strings(template_kwargs or {})]
+        self.check_length(sum(len(m["content"]) for m in messages) + sum(len(s) for e in extra for s in e))
+        ids = await self.run(self._chat, messages, add_generation_prompt, template_kwargs or {}, extra)
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         return ids
 
-    def _chat(self, messages: list[dict]) -> list[int]:
+    def _chat(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict, extra: list[list[str]]
+              ) -> list[int]:
         tok = self.tokenizer
         if not getattr(tok, "chat_template", None):
+            if any(m.get("tool_calls") for m in messages) or kwargs:
+                raise InvalidRequestError("this model has no chat template: tool_calls and chat_template_kwargs "
+                                          "cannot be rendered", param="messages")
             return self._encode(plain_chat_prompt(messages), True, True)
+        # the template renders names, tool calls and kwargs itself: their text cannot be kept
+        # apart from its markers, so one holding a special token's text is refused
+        self._refuse_special([s for e in extra for s in e], "a message's name, tool_calls or tool_call_id, or "
+                             "chat_template_kwargs,")
         nonce = secrets.token_hex(8)
-        marks = [f"\x00{nonce}:{i}\x00" for i in range(len(messages))]
-        rendered = self._render([{**m, "content": mark} for m, mark in zip(messages, marks)])
+        marked = [i for i, m in enumerate(messages) if m["content"]]
+        marks = {i: f"\x00{nonce}:{i}\x00" for i in marked}
+        rendered = self._render([{**m, "content": marks.get(i, m["content"])} for i, m in enumerate(messages)],
+                                add_generation_prompt, kwargs)
         pieces = re.split("\x00" + nonce + r":(\d+)\x00", rendered)
         # pieces: text, index, text, index, ..., text; each sentinel exactly once and in order
-        if [int(i) for i in pieces[1::2]] != list(range(len(messages))):
-            return self._chat_unsplit(messages)
+        if [int(i) for i in pieces[1::2]] != marked:
+            return self._chat_unsplit(messages, add_generation_prompt, kwargs)
         ids: list[int] = []
         for k, piece in enumerate(pieces):
             if k % 2:
@@ -108,21 +124,41 @@ class Prompts:
                 ids += self._encode(piece, False, False)
         return ids
 
-    def _chat_unsplit(self, messages: list[dict]) -> list[int]:
+    def _refuse_special(self, texts: list[str], what: str) -> None:
+        for t in texts:
+            if any(s in t for s in self._special):
+                raise InvalidRequestError(f"{what} contains a special token's text, which this model's chat "
+                                          "template cannot keep apart from its markers", param="messages")
+
+    def _chat_unsplit(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> list[int]:
         """A template that does not put each content in verbatim: tokenize it whole, and refuse
         contents that would become special tokens."""
-        for m in messages:
-            if any(s in m["content"] for s in self._special):
-                raise InvalidRequestError("message content contains a special token's text, which this "
-                                          "model's chat template cannot keep apart from its markers")
-        return self._encode(self._render(messages), False, False)
+        self._refuse_special([m["content"] for m in messages], "message content")
+        return self._encode(self._render(messages, add_generation_prompt, kwargs), False, False)
 
-    def _render(self, messages: list[dict]) -> str:
+    def _render(self, messages: list[dict], add_generation_prompt: bool = True, kwargs: dict | None = None) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False, **(kwargs or {}))
         except Exception as e:  # the template itself raised (a jinja error on these messages)
             raise InvalidRequestError(f"the chat template cannot render these messages: {e}") from None
 
     # ---- text of token ids (logprobs) ---------------------------------------------------
     def decode_each(self, ids: list[int]) -> list[str]:
         return [self.tokenizer.decode([t]) for t in ids]
+
+
+def _strings(x, skip: str | None = None) -> list[str]:
+    """Every string in a JSON value (keys too), but the top-level key `skip`."""
+    stack = [x] if not isinstance(x, dict) else [v for k, v in x.items() if k != skip]
+    out: list[str] = []
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            out.append(v)
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return out

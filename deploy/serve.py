@@ -50,7 +50,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' (default: $FOLIO_API_KEY)")
     p.add_argument("--max-num-requests", type=int, default=256,
                    help="requests in flight per frontend replica; more get 429 / RESOURCE_EXHAUSTED")
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the model's name in the API (default: the checkpoint's); more names are aliases")
     p.add_argument("--max-body-bytes", type=int, default=8 * 2**20,
                    help="the largest HTTP request body accepted; a larger one gets 413")
     return p

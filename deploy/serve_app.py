@@ -9,8 +9,12 @@ replicas on one node share it), plus an optional Prometheus port.
 Serve's own per-replica queue is set far above Folio's admission limit, so an excess
 request gets Folio's 429 / RESOURCE_EXHAUSTED at once rather than waiting in Serve.
 
-With an API key every route but /health needs it (/v1/*, /metrics, /docs, /openapi.json,
-and the separate metrics port). Bodies are read up to `max_body_bytes` (413 past it);
+Routes: /v1/completions, /v1/chat/completions, /v1/models, /v1/models/{id}, /tokenize,
+/detokenize, /version (openai_http.py, openai_tokens.py), /health, /metrics (OpenMetrics when
+the scraper's Accept asks for it), /docs, /openapi.json.
+
+With an API key every route but /health needs it (/v1/*, /tokenize, /detokenize, /version,
+/metrics, /docs, /openapi.json, and the separate metrics port). Bodies are read up to `max_body_bytes` (413 past it);
 404, 405 and anything unexpected answer in OpenAI's error shape, never plain text.
 """
 
@@ -20,11 +24,12 @@ import json
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from folio.deploy import openai_http as oai
+from folio.deploy import openai_tokens
 from folio.deploy.frontend import Frontend, FrontendConfig
 from folio.deploy.serve_binds import narrow_replica_grpc_bind
 
@@ -110,13 +115,13 @@ class FolioFrontend:
     def _auth(self, request: Request) -> None:
         oai.check_auth(self.frontend.cfg.api_key, request.headers.get("authorization"))
 
-    async def _handle(self, request: Request, handler):
+    async def _handle(self, request: Request, handler, generation: bool = True):
         try:
             self._auth(request)
             body = await read_json(request, self.frontend.cfg.max_body_bytes)
             result = await handler(self.frontend, body)
         except Exception as e:  # typed errors become their status; anything else a JSON 500
-            if not isinstance(e, oai.HTTPError) or e.status != 401:
+            if generation and (not isinstance(e, oai.HTTPError) or e.status != 401):
                 self.frontend.count_error(e)
             return _error_response(e)
         if isinstance(result, dict):
@@ -139,6 +144,30 @@ class FolioFrontend:
             return _error_response(e)
         return JSONResponse(oai.models(self.frontend))
 
+    @api.get("/v1/models/{model_id:path}")
+    async def model(self, request: Request, model_id: str):
+        try:
+            self._auth(request)
+            return JSONResponse(oai.model(self.frontend, model_id))
+        except oai.HTTPError as e:
+            return _error_response(e)
+
+    @api.post("/tokenize")
+    async def tokenize(self, request: Request):
+        return await self._handle(request, openai_tokens.tokenize, generation=False)
+
+    @api.post("/detokenize")
+    async def detokenize(self, request: Request):
+        return await self._handle(request, openai_tokens.detokenize, generation=False)
+
+    @api.get("/version")
+    async def version(self, request: Request):
+        try:
+            self._auth(request)
+        except oai.HTTPError as e:
+            return _error_response(e)
+        return JSONResponse(openai_tokens.version())
+
     @api.get("/health")
     async def health(self):
         try:
@@ -158,8 +187,8 @@ class FolioFrontend:
             self._auth(request)
         except oai.HTTPError as e:
             return _error_response(e)
-        body = await asyncio.to_thread(self.frontend.metrics.render)
-        return PlainTextResponse(body, media_type="text/plain; version=0.0.4")
+        body, ctype = await asyncio.to_thread(self.frontend.metrics.render, request.headers.get("accept"))
+        return Response(body, headers={"Content-Type": ctype})
 
     @api.get("/openapi.json", include_in_schema=False)
     async def openapi(self, request: Request):

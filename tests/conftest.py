@@ -123,7 +123,8 @@ def folio_server(model_dirs):
            "--host", "127.0.0.1", "--http-port", str(http), "--grpc-port", str(grpc_port),
            "--api-key", FOLIO_SERVER_KEY, "--max-num-requests", str(FOLIO_SERVER_LIMIT), "--block-size", "8",
            "--num-kv-blocks", "48", "--max-model-len", "256", "--preemption-mode", "swap",
-           "--router", "least-loaded", "--namespace", "fe", "--grace-period-s", "2", "--metrics-port", str(metrics_port)]
+           "--router", "least-loaded", "--namespace", "fe", "--grace-period-s", "2", "--metrics-port", str(metrics_port),
+           "--served-model-name", "llama", "tiny"]  # the directory's name, and "tiny" (the tests' alias)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, RAY_AUTH_MODE="disabled"))
     lines = []

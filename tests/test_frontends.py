@@ -160,7 +160,8 @@ def test_bad_http_input_is_400_in_openai_shape(server, client, kwargs, fragment)
 
 
 def test_models_and_health(server, client):
-    assert [m.id for m in client.models.list().data] == [os.path.basename(server["model"])]
+    # conftest serves the directory's name and the alias "tiny" (--served-model-name llama tiny)
+    assert [m.id for m in client.models.list().data] == [os.path.basename(server["model"]), "tiny"]
     with urllib.request.urlopen(server["http"] + "/health") as r:  # open without the key
         assert r.status == 200
 

