@@ -33,6 +33,7 @@ from typing import AsyncIterator
 
 from folio.deploy.auth import bearer_ok
 from folio.deploy.frontend import Admission, Frontend
+from folio.deploy.openai_logprobs import Choice, logprobs_chat, logprobs_completion
 from folio.deploy.openai_schema import ChatCompletionRequest, CompletionRequest, parse
 from folio.worker.errors import FolioError, InvalidRequestError, OverloadedError, UnavailableError
 from folio.worker.sampling_params import SamplingParams
@@ -109,52 +110,6 @@ def check_context(frontend: Frontend, prompts: list[list[int]], max_tokens: int,
                              f"{longest + max_tokens} tokens ({longest} {where}, {max_tokens} in the completion). "
                              f"Please reduce the length of the {'messages' if chat else 'prompt'} or completion.",
                         "invalid_request_error", "context_length_exceeded", param=param)
-
-
-def _top(d: dict, k: int) -> list[tuple[int, float]]:
-    """The k most likely tokens of a step (the engine sends the chosen token plus the top k)."""
-    return sorted(d.items(), key=lambda kv: -kv[1])[:k]
-
-
-def _token_text(tok, as_ids: bool):
-    return (lambda t: f"token_id:{t}") if as_ids else (lambda t: tok.decode([t]))
-
-
-def _logprobs_completion(tok, entries: list[dict], k: int, spans: list[tuple[int, int, int]],
-                         as_ids: bool = False) -> dict:
-    """spans: (offset, characters, tokens) of each delta the entries came in, in order: a token's
-    text_offset is where its delta's text starts in the choice's text plus the text of the
-    delta's tokens before it (clipped to the delta's text: a held-back or stop-cut token's text
-    starts where the delta's ends)."""
-    text = _token_text(tok, as_ids)
-    tokens, lps, tops, offsets, lengths = [], [], [], [], []
-    for d in entries:
-        chosen = next(iter(d))
-        tokens.append(text(chosen))
-        lengths.append(len(tokens[-1] if not as_ids else tok.decode([chosen])))
-        lps.append(d[chosen])
-        tops.append({text(t): lp for t, lp in _top(d, k)})
-    at = 0
-    for offset, chars, count in spans:
-        inner = 0
-        for n in lengths[at:at + count]:
-            offsets.append(offset + min(inner, chars))
-            inner += n
-        at += count
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
-
-
-def _logprobs_chat(tok, entries: list[dict], k: int, as_ids: bool = False) -> dict:
-    text = _token_text(tok, as_ids)
-
-    def item(t, lp):
-        s = text(t)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
-    content = []
-    for d in entries:
-        chosen = next(iter(d))
-        content.append({**item(chosen, d[chosen]), "top_logprobs": [item(t, lp) for t, lp in _top(d, k)]})
-    return {"content": content}
 
 
 # ---- running ------------------------------------------------------------------------------
@@ -296,22 +251,6 @@ async def _start(frontend: Frontend, req, prompts: list[list[int]], params: Samp
     return await _respond(frontend, req, run, chat, model)
 
 
-class _Choice:
-    """One choice's text so far and where each delta's text sits in it (for text_offset)."""
-
-    def __init__(self, prefix: str = "") -> None:
-        self.texts, self.length, self.entries, self.spans, self.reason = [prefix], len(prefix), [], [], None
-
-    def add(self, d) -> None:
-        if d.logprobs:
-            self.entries.extend(d.logprobs)
-            self.spans.append((self.length, len(d.text), len(d.logprobs)))
-        self.texts.append(d.text)
-        self.length += len(d.text)
-        if d.finish_reason:
-            self.reason = d.finish_reason
-
-
 async def _respond(frontend: Frontend, req, run: _Run, chat: bool, model: str):
     created = int(time.time())
     obj = "chat.completion" if chat else "text_completion"
@@ -336,12 +275,12 @@ async def _respond(frontend: Frontend, req, run: _Run, chat: bool, model: str):
 
     if req.stream:
         return _sse(all_events(), run, rid, obj + (".chunk" if chat else ""), created, model, chat, req, frontend)
-    choices: dict[int, _Choice] = {}
+    choices: dict[int, Choice] = {}
     try:
         async for i, d in all_events():
             run.count(d)
             if i not in choices:
-                choices[i] = _Choice(run.echo[i // run.params.n] if run.echo else "")
+                choices[i] = Choice(run.echo[i // run.params.n] if run.echo else "")
             choices[i].add(d)
     finally:
         await events.aclose()
@@ -353,10 +292,10 @@ async def _respond(frontend: Frontend, req, run: _Run, chat: bool, model: str):
         lp = None
         if run.params.logprobs is not None:
             if chat:
-                lp = await frontend.prompts.run(_logprobs_chat, frontend.tokenizer, c.entries, run.params.logprobs,
+                lp = await frontend.prompts.run(logprobs_chat, frontend.tokenizer, c.entries, run.params.logprobs,
                                                 as_ids)
             else:
-                lp = await frontend.prompts.run(_logprobs_completion, frontend.tokenizer, c.entries,
+                lp = await frontend.prompts.run(logprobs_completion, frontend.tokenizer, c.entries,
                                                 run.params.logprobs, c.spans, as_ids)
         if chat:
             out.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
@@ -383,14 +322,14 @@ async def _sse(events, run, rid, obj, created, model, chat, req, frontend) -> As
                     delta["content"] = d.text
                 choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": d.finish_reason}
                 if d.logprobs and run.params.logprobs is not None:
-                    choice["logprobs"] = _logprobs_chat(tok, d.logprobs, run.params.logprobs, as_ids)
+                    choice["logprobs"] = logprobs_chat(tok, d.logprobs, run.params.logprobs, as_ids)
             else:
                 prefix = run.echo[i // run.params.n] if run.echo and i not in lengths else ""
                 at = lengths.get(i, 0) + len(prefix)
                 lengths[i] = at + len(d.text)
                 choice = {"index": i, "text": prefix + d.text, "logprobs": None, "finish_reason": d.finish_reason}
                 if d.logprobs and run.params.logprobs is not None:
-                    choice["logprobs"] = _logprobs_completion(tok, d.logprobs, run.params.logprobs,
+                    choice["logprobs"] = logprobs_completion(tok, d.logprobs, run.params.logprobs,
                                                               [(at, len(d.text), len(d.logprobs))], as_ids)
             chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
             if req.include_usage:

@@ -1,7 +1,8 @@
 """The Ray Serve application in front of the router: one deployment, `FolioFrontend`,
-whose replicas each run the OpenAI-compatible HTTP API (Serve's FastAPI ingress, on
-Serve's HTTP port) and a gRPC server (on `grpc_port`; gRPC binds with SO_REUSEPORT, so
-replicas on one node share it), plus an optional Prometheus port.
+whose replicas each run the OpenAI-compatible HTTP API (Serve's FastAPI ingress, served
+by the replica itself on `http_port`: http_server.py, no Serve proxy hop) and a gRPC
+server (on `grpc_port`); both bind with SO_REUSEPORT, so replicas on one node share them,
+plus an optional Prometheus port. Serve's own proxy, where one runs, serves the same routes.
 
     app = build_app(FrontendConfig(...))
     serve.run(app, name="folio", route_prefix="/")
@@ -47,11 +48,12 @@ def _error_response(e: Exception) -> JSONResponse:
 
 @api.exception_handler(StarletteHTTPException)
 async def _http_exception(request: Request, e: StarletteHTTPException) -> JSONResponse:
-    """404 (no such route), 405 (wrong method) in OpenAI's shape."""
-    type_ = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-    return JSONResponse({"error": {"message": f"{request.method} {request.url.path}: {e.detail}", "type": type_,
-                                   "param": None, "code": None}}, status_code=e.status_code,
-                        headers=getattr(e, "headers", None))
+    """404 (no such route) as OpenAI words it ("Invalid URL (GET /v1/x)"), 405 (wrong method, with
+    Allow) likewise; any other in the same shape."""
+    what = {404: "Invalid URL", 405: "Method not allowed"}.get(e.status_code, str(e.detail))
+    return JSONResponse({"error": {"message": f"{what} ({request.method} {request.url.path})",
+                                   "type": "invalid_request_error", "param": None, "code": None}},
+                        status_code=e.status_code, headers=getattr(e, "headers", None))
 
 
 @api.exception_handler(Exception)
@@ -95,6 +97,12 @@ class FolioFrontend:
         self.grpc = None
         if cfg.grpc_port:
             self._grpc_task = asyncio.get_running_loop().create_task(self._start_grpc(cfg.grpc_port))
+        self.http = None
+        if cfg.http_port:  # the API on this replica's own server: no Ray hop per chunk (http_server.py)
+            from folio.deploy.http_server import HTTPServer
+
+            self.http = HTTPServer(api, cfg.host, cfg.http_port).start(
+                ready=lambda: serve.get_replica_context().servable_object is not None)
         self.metrics_server = None
         if cfg.metrics_port:
             from folio.deploy.metrics_port import start_metrics_server
@@ -111,6 +119,8 @@ class FolioFrontend:
         """Serve's replica health check: the gRPC server must be up when one was asked for."""
         if self.frontend.cfg.grpc_port and self._grpc_task.done() and self._grpc_task.exception():
             raise self._grpc_task.exception()
+        if self.http is not None and self.http.failed is not None:
+            raise self.http.failed
 
     def _auth(self, request: Request) -> None:
         oai.check_auth(self.frontend.cfg.api_key, request.headers.get("authorization"))

@@ -445,3 +445,18 @@ def test_grpc_reflection_v1_and_v1alpha(folio_server, version):
         files = [descriptor_pb2.FileDescriptorProto.FromString(b)
                  for b in response.file_descriptor_response.file_descriptor_proto]
         assert any(s.name == service for f in files for s in f.service), response
+
+
+# ---- 404 / 405 in OpenAI's shape ---------------------------------------------------------------
+@pytest.mark.parametrize("method, path, status, message", [
+    ("GET", "/v1/nothing", 404, "Invalid URL (GET /v1/nothing)"),
+    ("POST", "/v1/engines/x/completions", 404, "Invalid URL (POST /v1/engines/x/completions)"),
+    ("GET", "/v1/completions", 405, "Method not allowed (GET /v1/completions)"),
+    ("DELETE", "/v1/models/tiny", 405, "Method not allowed (DELETE /v1/models/tiny)"),
+])
+def test_404_and_405_bodies_are_openais(folio_server, method, path, status, message):
+    got, headers, out = call(folio_server, method, path, {})
+    assert got == status and out == {"error": {"message": message, "type": "invalid_request_error",
+                                               "param": None, "code": None}}
+    if status == 405:
+        assert headers.get("allow")
