@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from functools import cached_property
 
 POLICIES = ("round-robin", "least-loaded", "power-of-two", "prefix-aware")
 
@@ -26,7 +27,7 @@ class Candidate:
     block_size: int
     swapped_blocks: int = 0  # KV parked in CPU memory: demand that comes back
 
-    @property
+    @cached_property  # computed once per candidate: policies compare it many times
     def load(self) -> float:
         used = self.num_kv_blocks - self.num_free_blocks
         queued = -(-self.queued_tokens // self.block_size)

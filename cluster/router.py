@@ -19,6 +19,7 @@ import logging
 import random
 import time
 from collections import defaultdict, deque
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from folio.cluster.policies import (POLICIES, Candidate, least_loaded, power_of_two, prefix_aware,
@@ -32,6 +33,26 @@ from folio.worker.messages import GenerateRequest, StreamChunk, WorkerLoad
 DECISIONS_KEPT = 10_000
 DEAD_HOLD_S = 5.0  # a worker seen dying is skipped this long, whatever Redis still says
 log = logging.getLogger("folio.router")
+
+
+@dataclass
+class SentSince:
+    """What the router sent a worker that its last heartbeat may not show yet: send times
+    (non-decreasing) and prompt tokens, with their sum, trimmed from the oldest end."""
+    times: deque = field(default_factory=deque)  # (time.time(), tokens)
+    tokens: int = 0
+
+    def add(self, t: float, n: int) -> None:
+        if self.times and t < self.times[-1][0]:
+            t = self.times[-1][0]  # a wall clock stepped back: keep the order trim() relies on
+        self.times.append((t, n))
+        self.tokens += n
+
+    def trim(self, heartbeat_time: float) -> None:
+        """Drop what was sent at or before `heartbeat_time`: that heartbeat counts it."""
+        times = self.times
+        while times and times[0][0] <= heartbeat_time:
+            self.tokens -= times.popleft()[1]
 
 
 class Router:
@@ -51,7 +72,9 @@ class Router:
         self._loads: dict[str, WorkerLoad] = {}
         self._loads_at = 0.0
         self._refreshing: asyncio.Task | None = None
-        self._sent: dict[str, list[tuple[float, int]]] = defaultdict(list)  # wid -> (time.time(), tokens)
+        self._sent: dict[str, SentSince] = defaultdict(SentSince)  # wid -> sent since its last heartbeat
+        self._live: dict[str, WorkerLoad] = {}  # the snapshot less draining workers
+        self._cands: dict[str, Candidate] = {}  # wid -> its Candidate for this snapshot and sent list
         self._dead: dict[str, tuple[float, float]] = {}  # wid -> (monotonic, wall) time it was seen dying
         self._where: dict[str, str] = {}  # request id -> worker streaming it
         self.state_error: str | None = None  # why the cluster state is unreachable, while it is
@@ -63,12 +86,18 @@ class Router:
     async def live_loads(self, refresh: bool = False) -> dict[str, WorkerLoad]:
         """Live workers' loads. A stale snapshot is refreshed in the background while
         decisions go on with it (no request waits on Redis), unless `refresh` asks to wait."""
+        return dict(await self._live_now(refresh))
+
+    async def _live_now(self, refresh: bool = False) -> dict[str, WorkerLoad]:
+        """live_loads() without the copy: the router's own dict, not to be changed."""
         now = time.monotonic()
         if refresh or not self._loads_at:
             await self._refresh()
         elif now - self._loads_at > self.refresh_s and not self._refresh_in_flight():
             self._refreshing = asyncio.get_running_loop().create_task(self._refresh())
-        return {w: l for w, l in self._loads.items() if not l.draining and not self._held_dead(w, l, now)}
+        if not self._dead:
+            return self._live
+        return {w: l for w, l in self._live.items() if not self._held_dead(w, l, now)}
 
     def _held_dead(self, wid: str, load: WorkerLoad, now: float) -> bool:
         """Seen dying, and no heartbeat since: Redis may still list it for a TTL. A heartbeat
@@ -96,6 +125,8 @@ class Router:
             return
         self._state_ok()
         self._loads, self._loads_at = loads, time.monotonic()
+        self._live = {w: l for w, l in loads.items() if not l.draining}
+        self._cands.clear()  # new heartbeats: what was sent since them changes
 
     # ---- degraded mode: the cluster state (Redis) unreachable ---------------------------
     # Routing goes on with the last known loads (plus what was sent since), load-only: a
@@ -128,24 +159,28 @@ class Router:
     def mark_dead(self, wid: str) -> None:
         self._dead[wid] = (time.monotonic(), time.time())
 
-    def _candidates(self, loads: dict[str, WorkerLoad]) -> list[Candidate]:
-        out = []
-        for w, l in loads.items():
+    def _candidate(self, w: str, l: WorkerLoad) -> Candidate:
+        """`w`'s figures: its heartbeat plus what was sent to it since (kept until the
+        snapshot changes or the router sends it more)."""
+        c = self._cands.get(w)
+        if c is None:
             sent = self._sent[w]
-            sent[:] = [(t, n) for t, n in sent if t > l.timestamp]  # not yet in that heartbeat
-            out.append(Candidate(w, l.num_kv_blocks, l.num_free_blocks, l.queued_tokens + sum(n for _, n in sent),
-                                 l.num_waiting + len(sent), l.num_swapped, l.block_size,
-                                 l.num_cpu_blocks - l.num_free_cpu_blocks))
-        return out
+            sent.trim(l.timestamp)  # what that heartbeat already shows
+            c = self._cands[w] = Candidate(w, l.num_kv_blocks, l.num_free_blocks, l.queued_tokens + sent.tokens,
+                                           l.num_waiting + len(sent.times), l.num_swapped, l.block_size,
+                                           l.num_cpu_blocks - l.num_free_cpu_blocks)
+        return c
 
     async def pick(self, req: GenerateRequest, exclude: set[str] = frozenset()) -> str:
         t0 = time.perf_counter()
-        loads = {w: l for w, l in (await self.live_loads()).items() if w not in exclude}
+        loads = await self._live_now()
+        if exclude:
+            loads = {w: l for w, l in loads.items() if w not in exclude}
         if not loads:
-            loads = {w: l for w, l in (await self.live_loads(refresh=True)).items() if w not in exclude}
+            loads = {w: l for w, l in (await self._live_now(refresh=True)).items() if w not in exclude}
         if not loads:
             raise UnavailableError("no worker is alive to take the request")
-        cands = self._candidates(loads)
+        cands = [self._candidate(w, l) for w, l in loads.items()]
         matches: dict[str, int] = {}
         if self.policy == "round-robin":
             wid = round_robin(cands, self._counter)
@@ -157,11 +192,12 @@ class Router:
         else:
             block_size = cands[0].block_size
             hashes = hash_full_blocks(req.prompt_token_ids, block_size, self.hash_seed)
-            matches = await self._prefix_matches([c.worker_id for c in cands], hashes)
+            matches = await self._prefix_matches(list(loads), hashes)
             wid = prefix_aware(cands, matches, self.imbalance)
         # work sent there until its next heartbeat shows it: the prompt, less any cached prefix
         cached = matches.get(wid, 0) * cands[0].block_size
-        self._sent[wid].append((time.time(), len(req.prompt_token_ids) - cached))
+        self._sent[wid].add(time.time(), len(req.prompt_token_ids) - cached)
+        self._cands.pop(wid, None)
         self.decisions += 1
         self.decision_seconds.append(time.perf_counter() - t0)
         return wid

@@ -30,18 +30,22 @@ from folio.worker.messages import RequestSummary, WorkerLoad
 
 DEFAULT_TTL_S = 1.5
 
-# KEYS: one prefix set per worker; ARGV: a prompt's chained block hashes. Returns, per
-# worker, the length of the leading run of hashes it holds.
+# KEYS: one prefix set per worker; ARGV[1]: a prompt's chained block hashes, concatenated;
+# ARGV[2]: the width of one hash. Returns, per worker, the length of the leading run of
+# hashes it holds, as one comma-separated string (one bulk reply: cheap to parse). A
+# worker's walk stops at its first miss: one SISMEMBER for a worker without block 0.
 _WALK_PREFIX = """
+local blob, w = ARGV[1], tonumber(ARGV[2])
+local nblocks = math.floor(#blob / w)
 local out = {}
 for i, key in ipairs(KEYS) do
   local n = 0
-  for j, h in ipairs(ARGV) do
-    if redis.call('SISMEMBER', key, h) == 1 then n = j else break end
+  for j = 1, nblocks do
+    if redis.call('SISMEMBER', key, string.sub(blob, (j - 1) * w + 1, j * w)) == 1 then n = j else break end
   end
   out[i] = n
 end
-return out
+return table.concat(out, ',')
 """
 
 
@@ -172,6 +176,7 @@ class ClusterState:
         self.keys = Keys(namespace)
         self._walk_prefix = self.r.register_script(_WALK_PREFIX)
         self._aloop = self._ar = self._awalk = None
+        self._walk_keys: tuple[tuple[str, ...], list[bytes]] = ((), [])
 
     def live_loads(self) -> dict[str, WorkerLoad]:
         """Every worker whose heartbeat key is alive, with its last load."""
@@ -186,8 +191,21 @@ class ClusterState:
         round trip, a server-side walk per worker that stops at its first miss."""
         if not block_hashes or not worker_ids:
             return {w: 0 for w in worker_ids}
-        counts = self._walk_prefix(keys=[self.keys.prefix(w) for w in worker_ids], args=block_hashes)
-        return dict(zip(worker_ids, (int(c) for c in counts)))
+        return self._walk_counts(worker_ids, self._walk_prefix(*self._walk_args(worker_ids, block_hashes)))
+
+    def _walk_args(self, worker_ids: list[str], block_hashes: list[bytes]) -> tuple[list[bytes], list]:
+        ids = tuple(worker_ids)
+        if self._walk_keys[0] != ids:  # the router asks for the same workers pick after pick
+            self._walk_keys = (ids, [self.keys.prefix(w).encode() for w in ids])
+        width = len(block_hashes[0])
+        blob = b"".join(block_hashes)
+        if not width or len(blob) != width * len(block_hashes):
+            raise ValueError("prefix block hashes must all have the same width")
+        return self._walk_keys[1], [blob, width]
+
+    @staticmethod
+    def _walk_counts(worker_ids: list[str], raw: bytes) -> dict[str, int]:
+        return dict(zip(worker_ids, map(int, raw.split(b","))))
 
     # ---- the same reads without leaving the event loop (the router) ----------------------
     def _async(self):
@@ -212,8 +230,8 @@ class ClusterState:
         if not block_hashes or not worker_ids:
             return {w: 0 for w in worker_ids}
         self._async()
-        counts = await self._awalk(keys=[self.keys.prefix(w) for w in worker_ids], args=block_hashes)
-        return dict(zip(worker_ids, (int(c) for c in counts)))
+        keys, args = self._walk_args(worker_ids, block_hashes)
+        return self._walk_counts(worker_ids, await self._awalk(keys=keys, args=args))
 
     def swapped_directory(self) -> list[tuple[str, str, dict]]:
         """(worker id, request id, {blocks, priority, arrival}) of every swapped-out request."""
