@@ -156,23 +156,23 @@ def smollm2_hf():
     return tok, model
 
 
-_hf_refs: dict[str, list[int]] = {}
+_hf_refs: dict[tuple[str, int], list[int]] = {}
 
 
-def hf_greedy_gguf(hf, prompts: list[str]) -> list[list[int]]:
-    """Greedy until EOS or MAX_TOKENS, with the conftest's near-tie guard; each prompt's once."""
+def hf_greedy_gguf(hf, prompts: list[str], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    """Greedy until EOS or max_tokens, with the conftest's near-tie guard; each prompt's once."""
     tok, model = hf
     for p in prompts:
-        if p in _hf_refs:
+        if (p, max_tokens) in _hf_refs:
             continue
         ids = tok(p, return_tensors="pt").input_ids
         with torch.no_grad():
-            gen = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=tok.eos_token_id,
+            gen = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=tok.eos_token_id,
                                  output_scores=True, return_dict_in_generate=True)
         margins = [float(s[0].topk(2).values.diff().abs()) for s in gen.scores]
         assert min(margins) > MIN_REFERENCE_MARGIN, f"reference near-tie ({min(margins):.1e}) for {p!r}"
-        _hf_refs[p] = gen.sequences[0, ids.shape[1]:].tolist()
-    return [_hf_refs[p] for p in prompts]
+        _hf_refs[p, max_tokens] = gen.sequences[0, ids.shape[1]:].tolist()
+    return [_hf_refs[p, max_tokens] for p in prompts]
 
 
 @needs_smollm2
@@ -202,6 +202,58 @@ def test_smollm2_matches_hf(smollm2_hf, block_size, num_kv_blocks, swap):
     else:
         assert "Paris" in outs[2].outputs[0].text
     llm.engine.check_invariants()
+
+
+@needs_smollm2
+def test_smollm2_request_migrates_between_two_workers(smollm2_hf, tmp_path):
+    """Two workers (step threads, the router, in one process) serve SmolLM2; a greedy request
+    moves from a to b after its first tokens, its KV swapped over (small caches): the stream
+    gives transformers' tokens, none lost or repeated, and both workers end with every block free.
+    The workers take the tokenizer from a directory (EngineConfig.tokenizer, `--tokenizer`): the
+    reference's own, saved, which loads in a fraction of the seconds a GGUF file's takes to build."""
+    import asyncio
+    import functools
+
+    from folio.cluster.router import Router
+    from folio.cluster.worker_client import LocalWorkerClient
+    from folio.worker import EngineConfig, LLMEngine
+    from folio.worker.actor import EngineWorker
+    from folio.worker.messages import GenerateRequest
+
+    n_tokens, move_after = 40, 3  # ~37 decode steps still to go when the move is asked for
+    want = hf_greedy_gguf(smollm2_hf, PLAIN[:1], n_tokens)[0]
+    assert len(want) == n_tokens  # no EOS before the end: the move lands mid-generation
+    smollm2_hf[0].save_pretrained(tmp_path / "tok")
+    cfg = EngineConfig(model=SMOLLM2, tokenizer=str(tmp_path / "tok"), block_size=16, num_kv_blocks=8,
+                       max_model_len=128, num_cpu_blocks=8, preemption_mode="swap")
+    workers = {w: EngineWorker(w, functools.partial(LLMEngine, cfg)) for w in ("a", "b")}
+    try:
+        client = LocalWorkerClient(workers)
+        ids = smollm2_hf[0](PLAIN[0]).input_ids
+
+        async def main():
+            req = GenerateRequest("m", ids, SamplingParams(max_tokens=n_tokens, temperature=0.0))
+            tokens, by = [], []
+            async for chunk in Router(state=None, client=client).generate(req, worker_id="a"):
+                tokens += chunk.deltas[0].token_ids
+                by += [chunk.worker_id] * len(chunk.deltas[0].token_ids)
+                if len(tokens) >= move_after and "b" not in by and len(by) < n_tokens:
+                    await client.move("a", "b", "m")
+            stats = {w: await workers[w].stats() for w in workers}
+            for w in workers.values():
+                await w.check_invariants()
+            return tokens, by, stats
+
+        tokens, by, stats = asyncio.run(main())
+        assert tokens == want, f"folio {tokens} hf {want}"
+        k = by.count("a")
+        assert 0 < k < n_tokens and by == ["a"] * k + ["b"] * (n_tokens - k), by  # moved once, mid-generation
+        assert stats["a"]["num_migrations_out"] == 1 and stats["b"]["num_migrations_in"] == 1
+        assert stats["b"]["swapped_in_blocks"] > 0, "the KV did not travel (recomputed instead)"
+        assert all(s["num_free_blocks"] == s["num_kv_blocks"] for s in stats.values())
+    finally:
+        for w in workers.values():
+            w.shutdown()
 
 
 # ---- a tiny checkpoint written to GGUF as llama.cpp's converter does, against its safetensors ------
@@ -257,3 +309,34 @@ def test_folio_generate_gguf(model_dirs, tmp_path, capsys):
     bad.write_bytes(b"NOPE" * 8)
     assert main(["generate", "--model", str(bad), "x"]) == 2
     assert "not a GGUF file" in capsys.readouterr().err
+
+
+def test_folio_serve_tokenizer(model_dirs, tmp_path, capsys):
+    """`folio serve --tokenizer DIR`: the workers' engines and the frontends tokenize with DIR's tokenizer
+    (a GGUF file without tokenizer metadata has none of its own); a missing DIR is refused before anything starts."""
+    import asyncio
+
+    from folio.deploy.cli import build_parser, main
+    from folio.deploy.frontend import Frontend, FrontendConfig
+    from folio.worker import EngineConfig
+    from folio.worker.detokenizer import load_tokenizer
+
+    src = model_dirs["mistral"]
+    path = _to_gguf(src, str(tmp_path / "m.gguf"), "llama")
+    with pytest.raises(ModelLoadError, match="cannot build a tokenizer"):
+        load_tokenizer(path)
+    cwd = os.getcwd()
+    os.chdir(os.path.dirname(src))  # a relative --tokenizer reaches the other processes as an absolute path
+    try:
+        from folio.deploy.serve import cluster_config
+
+        cfg = cluster_config(build_parser().parse_args(["serve", "--model", path, "--tokenizer",
+                                                        os.path.basename(src)]))
+    finally:
+        os.chdir(cwd)
+    assert cfg.engine["tokenizer"] == src and EngineConfig(model=path, **cfg.engine).tokenizer == src
+    want = load_tokenizer(src)("x = 1\n").input_ids
+    frontend = Frontend(FrontendConfig(model=path, tokenizer=cfg.engine["tokenizer"], redis_url="redis://127.0.0.1:9/0"))
+    assert asyncio.run(frontend.text_ids("x = 1\n")) == want
+    assert main(["serve", "--model", path, "--tokenizer", str(tmp_path / "nowhere"), "--http-port", "0"]) == 2
+    assert "does not exist" in capsys.readouterr().err
