@@ -26,6 +26,7 @@ import os
 import redis
 import redis.asyncio
 
+from folio.cluster.prefix_walk import PrefixWalker
 from folio.worker.messages import RequestSummary, WorkerLoad
 
 DEFAULT_TTL_S = 1.5
@@ -201,7 +202,7 @@ class ClusterState:
         blob = b"".join(block_hashes)
         if not width or len(blob) != width * len(block_hashes):
             raise ValueError("prefix block hashes must all have the same width")
-        return self._walk_keys[1], [blob, width]
+        return self._walk_keys[1], [blob, b"%d" % width]
 
     @staticmethod
     def _walk_counts(worker_ids: list[str], raw: bytes) -> dict[str, int]:
@@ -209,12 +210,17 @@ class ClusterState:
 
     # ---- the same reads without leaving the event loop (the router) ----------------------
     def _async(self):
-        """An asyncio client per event loop (a connection belongs to the loop that made it)."""
+        """An asyncio client per event loop (a connection belongs to the loop that made it),
+        and the prefix walk's own lean connection (prefix_walk.py) where the URL allows."""
         loop = asyncio.get_running_loop()
         if self._aloop is not loop:
             self._ar = redis.asyncio.Redis.from_url(self.url, socket_timeout=0.5, socket_connect_timeout=0.5,
                                                     **_password())
-            self._awalk = self._ar.register_script(_WALK_PREFIX)
+            if PrefixWalker.supported(self.url):
+                self._awalk = PrefixWalker(self.url, _WALK_PREFIX, _password().get("password"), 0.5).run
+            else:
+                script = self._ar.register_script(_WALK_PREFIX)
+                self._awalk = lambda keys, args: script(keys=keys, args=args)
             self._aloop = loop
         return self._ar
 
@@ -231,7 +237,7 @@ class ClusterState:
             return {w: 0 for w in worker_ids}
         self._async()
         keys, args = self._walk_args(worker_ids, block_hashes)
-        return self._walk_counts(worker_ids, await self._awalk(keys=keys, args=args))
+        return self._walk_counts(worker_ids, await self._awalk(keys, args))
 
     def swapped_directory(self) -> list[tuple[str, str, dict]]:
         """(worker id, request id, {blocks, priority, arrival}) of every swapped-out request."""
