@@ -193,6 +193,9 @@ class Router:
             block_size = cands[0].block_size
             hashes = hash_full_blocks(req.prompt_token_ids, block_size, self.hash_seed)
             matches = await self._prefix_matches(list(loads), hashes)
+            # figures again after the await: picks made meanwhile (a burst) count, or every
+            # prompt of a burst would see the same loads and go to the same worker
+            cands = [self._candidate(w, l) for w, l in loads.items()]
             wid = prefix_aware(cands, matches, self.imbalance)
         # work sent there until its next heartbeat shows it: the prompt, less any cached prefix
         cached = matches.get(wid, 0) * cands[0].block_size

@@ -146,3 +146,22 @@ def test_the_router_degrades_to_least_loaded_while_redis_is_away():
                  "prefix-aware routing again")
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("policy", ["prefix-aware", "least-loaded"])
+def test_a_burst_of_concurrent_picks_spreads(policy):
+    """Picks that interleave (each awaits Redis) still see each other's sends: a burst of
+    new prompts on two idle, equal workers lands on both, evenly (all on one before)."""
+    with EmbeddedRedis() as server:
+        pub = WorkerPublisher(server.url, "burst")
+        pub.publish(load("a"), set())
+        pub.publish(load("b"), set())
+        router = Router(ClusterState(server.url, "burst"), _NoWorkers(), policy)
+
+        async def burst():
+            await router.live_loads(refresh=True)
+            reqs = [GenerateRequest(f"r{i}", list(range(100 * i, 100 * i + 64)), SamplingParams(max_tokens=1))
+                    for i in range(8)]
+            return await asyncio.gather(*(router.pick(r) for r in reqs))
+        picks = asyncio.run(burst())
+        assert sorted(picks) == ["a"] * 4 + ["b"] * 4, picks
