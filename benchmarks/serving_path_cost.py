@@ -1,5 +1,6 @@
 """Where serving loses throughput on this machine: the same worker and the same load
-(16 concurrent streams, 50-token prompts -> 100 tokens, greedy), driven three ways:
+(16 and 64 concurrent streams, each running --rounds requests of 50-token prompts ->
+100 tokens, greedy, one after another), driven four ways:
 
 - inprocess: `EngineWorker` in this process, its streams read directly;
 - ray: `EngineWorker` as a Ray actor (as `folio serve` runs it), streams read through
@@ -7,9 +8,13 @@
   one Ray message per step for all of the client's requests);
 - serve-grpc: `folio serve --num-workers 1`, streams read over gRPC by `folio bench`
   (adds the Serve replica, where the gRPC server runs: one more process per token);
-- serve: the same over HTTP (adds the replica and Serve's HTTP proxy: two more).
+- serve: the same over HTTP (the replica serves HTTP itself: deploy/http_server.py).
 
-    python benchmarks/serving_path_cost.py --model models/tiny-llama-8l
+    python benchmarks/serving_path_cost.py --model models/tiny-llama-8l [--streams 16,64] [--abba]
+
+The load client (`folio bench`, another process) shares the machine's cores with the
+server, as it does in any one-machine comparison. With --abba the modes run in order and
+then in reverse, and each figure is the mean of its two runs (this machine is noisy).
 
 Reports output tokens/s, and for the first two the engine's forward time per step
 (from the engine's own timers), to `benchmarks/results/serving_path_cost.json`.
@@ -31,21 +36,24 @@ import time
 import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-STREAMS, PROMPT, OUTPUT = 16, 50, 100
+PROMPT, OUTPUT = 50, 100
+STREAMS = [16, 64]
+ROUNDS = 2
+KV_BLOCKS = 1024  # 64 streams x 10 blocks fit: no preemption in any mode
 
 
-def requests():
+def requests(n):
     from folio.worker import SamplingParams
     from folio.worker.messages import GenerateRequest
 
     rng = random.Random(0)
     return [GenerateRequest(f"r{i}", [rng.randrange(16, 8000) for _ in range(PROMPT)],
                             SamplingParams(max_tokens=OUTPUT, temperature=0.0, ignore_eos=True))
-            for i in range(STREAMS + 1)]
+            for i in range(n)]
 
 
-async def drive(generate, timings) -> dict:
-    reqs = requests()
+async def drive(generate, timings, streams) -> dict:
+    reqs = requests(1 + streams * ROUNDS)
 
     async def one(req):
         n = 0
@@ -53,10 +61,13 @@ async def drive(generate, timings) -> dict:
             n += sum(len(d.token_ids) for d in c.deltas)
         return n
 
+    async def stream(k):
+        return sum([await one(r) for r in reqs[1 + k * ROUNDS: 1 + (k + 1) * ROUNDS]])
+
     await one(reqs[0])  # warm-up
     before = await timings()
     t0 = time.perf_counter()
-    n = sum(await asyncio.gather(*(one(r) for r in reqs[1:])))
+    n = sum(await asyncio.gather(*(stream(k) for k in range(streams))))
     wall = time.perf_counter() - t0
     after = await timings()
     steps = after["steps"] - before["steps"]
@@ -68,7 +79,7 @@ async def drive(generate, timings) -> dict:
 def engine_config(model):
     from folio.worker import EngineConfig
 
-    return EngineConfig(model=os.path.abspath(model), block_size=16, num_kv_blocks=256, max_model_len=1024)
+    return EngineConfig(model=os.path.abspath(model), block_size=16, num_kv_blocks=KV_BLOCKS, max_model_len=1024)
 
 
 def run_inprocess(model) -> dict:
@@ -81,7 +92,7 @@ def run_inprocess(model) -> dict:
         return await w._call(lambda e: dict(vars(e.timings)))
 
     try:
-        return asyncio.run(drive(w.generate, timings))
+        return {n: asyncio.run(drive(w.generate, timings, n)) for n in STREAMS}
     finally:
         w.shutdown()
 
@@ -105,7 +116,9 @@ def run_ray(model) -> dict:
         async def timings():
             return await h._call.remote(lambda e: dict(vars(e.timings)))
 
-        return asyncio.run(drive(lambda req: client.generate("w0", req), timings))
+        async def all_loads():
+            return {n: await drive(lambda req: client.generate("w0", req), timings, n) for n in STREAMS}
+        return asyncio.run(all_loads())
     finally:
         ray.shutdown()
 
@@ -122,7 +135,7 @@ def run_serve(model, grpc: bool = False) -> dict:
     log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
     srv = subprocess.Popen([sys.executable, "-m", "folio.deploy.cli", "serve", "--model", model, "--num-workers", "1",
                             "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", str(grpc_port), "--block-size", "16",
-                            "--num-kv-blocks", "256", "--max-model-len", "1024", "--max-num-requests", "1024",
+                            "--num-kv-blocks", str(KV_BLOCKS), "--max-model-len", "1024", "--max-num-requests", "1024",
                             "--namespace", f"cost{os.getpid()}", "--grace-period-s", "1"],
                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -134,14 +147,17 @@ def run_serve(model, grpc: bool = False) -> dict:
                 time.sleep(1)
         out = os.path.join(tempfile.mkdtemp(), "bench.json")
         target = f"grpc://127.0.0.1:{grpc_port}" if grpc else f"http://127.0.0.1:{port}"
-        bench = [sys.executable, "-m", "folio.deploy.cli", "bench", "--target", target,
-                 "--workload", "random", "--input-len", f"fixed:{PROMPT}", "--output-len", f"fixed:{OUTPUT}",
-                 "--max-concurrency", str(STREAMS), "--quiet", "--out", out]
-        subprocess.run(bench + ["--num-requests", "4"], env=env, check=True, capture_output=True)  # warm-up
-        subprocess.run(bench + ["--num-requests", str(STREAMS)], env=env, check=True, capture_output=True)
-        s = json.load(open(out))["runs"][0]["summary"]
-        return {"output_tokens_per_s": round(s["output_throughput"], 1),
-                "tpot_ms_median": round(1e3 * s["tpot_s"]["median"], 1)}
+        res = {}
+        for n in STREAMS:
+            bench = [sys.executable, "-m", "folio.deploy.cli", "bench", "--target", target,
+                     "--workload", "random", "--input-len", f"fixed:{PROMPT}", "--output-len", f"fixed:{OUTPUT}",
+                     "--max-concurrency", str(n), "--quiet", "--out", out]
+            subprocess.run(bench + ["--num-requests", "4"], env=env, check=True, capture_output=True)  # warm-up
+            subprocess.run(bench + ["--num-requests", str(n * ROUNDS)], env=env, check=True, capture_output=True)
+            s = json.load(open(out))["runs"][0]["summary"]
+            res[n] = {"output_tokens_per_s": round(s["output_throughput"], 1),
+                      "tpot_ms_median": round(1e3 * s["tpot_s"]["median"], 1)}
+        return res
     finally:
         os.killpg(srv.pid, 15)
         srv.wait(60)
@@ -151,25 +167,41 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--modes", default="inprocess,ray,serve-grpc,serve")
+    ap.add_argument("--streams", default="16,64", help="concurrent streams, comma-separated")
+    ap.add_argument("--abba", action="store_true", help="run the modes in order, then in reverse; average")
     ap.add_argument("--role", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "serving_path_cost.json"))
     args = ap.parse_args()
+    STREAMS[:] = [int(x) for x in args.streams.split(",")]
     if args.role:  # one mode, in a fresh process
         fn = {"inprocess": run_inprocess, "ray": run_ray, "serve": run_serve,
               "serve-grpc": functools.partial(run_serve, grpc=True)}[args.role]
         print("RESULT " + json.dumps(fn(args.model)))
         return 0
     doc = {"benchmark": "serving_path_cost", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-           "command": " ".join(["python"] + sys.argv), "load": {"streams": STREAMS, "prompt_tokens": PROMPT,
-                                                                "output_tokens": OUTPUT}, "modes": {}}
-    for mode in args.modes.split(","):
-        p = subprocess.run([sys.executable, os.path.abspath(__file__), "--model", args.model, "--role", mode],
+           "command": " ".join(["python"] + sys.argv),
+           "load": {"streams": STREAMS, "requests_per_stream": ROUNDS, "prompt_tokens": PROMPT,
+                    "output_tokens": OUTPUT, "kv_blocks": KV_BLOCKS}, "runs": [], "modes": {}}
+    modes = args.modes.split(",")
+    order = modes + modes[::-1] if args.abba else modes
+    for mode in order:
+        p = subprocess.run([sys.executable, os.path.abspath(__file__), "--model", args.model, "--role", mode,
+                            "--streams", args.streams],
                            capture_output=True, text=True, env=dict(os.environ, RAY_AUTH_MODE="disabled"))
         line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
         if p.returncode != 0 or line is None:
             raise SystemExit(f"{mode} failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
-        doc["modes"][mode] = json.loads(line[7:])
-        print(mode, doc["modes"][mode], flush=True)
+        doc["runs"].append({"mode": mode, "result": json.loads(line[7:])})
+        print(mode, doc["runs"][-1]["result"], flush=True)
+    for mode in modes:  # the mean of a mode's runs, per stream count
+        runs = [r["result"] for r in doc["runs"] if r["mode"] == mode]
+        doc["modes"][mode] = {n: {"output_tokens_per_s": round(sum(r[n]["output_tokens_per_s"] for r in runs)
+                                                                  / len(runs), 1)} for n in runs[0]}
+    base = doc["modes"].get("inprocess")
+    if base:
+        doc["share_of_inprocess"] = {m: {n: round(v[n]["output_tokens_per_s"] / base[n]["output_tokens_per_s"], 3)
+                                         for n in v} for m, v in doc["modes"].items()}
+        print("share of in-process:", doc["share_of_inprocess"])
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=2)
     return 0

@@ -26,6 +26,7 @@ from folio.cluster.router import Router
 from folio.cluster.state import ClusterState
 from folio.cluster.worker_client import RayWorkerClient
 from folio.deploy.metrics import Metrics
+from folio.deploy.stream_text import StreamText, worker_params
 from folio.deploy.prompts import Prompts, plain_chat_prompt  # noqa: F401  (plain_chat_prompt: re-exported)
 from folio.worker.errors import InvalidRequestError, OverloadedError
 from folio.worker.messages import GenerateRequest, StreamChunk
@@ -49,6 +50,7 @@ class FrontendConfig:
     api_key: str | None = None
     served_model_name: str | list[str] | None = None  # what /v1/models lists (aliases; default: the directory's name)
     grpc_port: int | None = 50051
+    http_port: int | None = None  # each replica serves the HTTP API on it itself (http_server.py), no Serve proxy
     metrics_port: int | None = None
     host: str = "0.0.0.0"  # what the gRPC and metrics ports bind (`folio serve --host`)
     max_body_bytes: int = MAX_BODY_BYTES  # an HTTP body above it gets 413
@@ -169,9 +171,12 @@ class Frontend:
         t0 = time.perf_counter()
         last = None
         reason = None
-        stream = self.router.generate(GenerateRequest(rid, prompt_ids, params, priority))
+        text = StreamText(self.tokenizer, prompt_ids, params)  # the worker sends token ids; text is made here
+        stream = self.router.generate(GenerateRequest(rid, prompt_ids, worker_params(params), priority))
         try:
             async for chunk in stream:
+                on_worker = chunk.finished
+                chunk = text.apply(chunk)
                 if any(d.token_ids for d in chunk.deltas):
                     now = time.perf_counter()
                     if last is None:
@@ -184,6 +189,8 @@ class Frontend:
                 if chunk.finished:
                     reason = next((d.finish_reason for d in chunk.deltas if d.finish_reason), "stop")
                 yield chunk
+                if chunk.finished and not on_worker:  # ended here (a stop string): closing aborts it there
+                    break
         except (GeneratorExit, asyncio.CancelledError):
             raise
         except Exception as e:

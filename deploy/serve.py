@@ -45,6 +45,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                         "here (loopback by default; 0.0.0.0 for every interface, as in the Helm chart)")
     p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API (0: off)")
     p.add_argument("--grpc-port", type=int, default=50051, help="gRPC API (0: off)")
+    p.add_argument("--serve-proxy-port", type=int, default=0,
+                   help="also run Ray Serve's own HTTP proxy on this port (the same API, one process hop "
+                        "more; 0: none). The frontend replicas serve --http-port themselves")
     p.add_argument("--metrics-port", type=int, default=0, help="a separate Prometheus port (0: only /metrics)")
     p.add_argument("--api-key", default=os.environ.get("FOLIO_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $FOLIO_API_KEY)")
@@ -149,6 +152,7 @@ def frontend_config(args, cluster):
                           block_size=engine.block_size, num_workers=cfg.num_workers,
                           max_num_requests=args.max_num_requests, api_key=args.api_key,
                           served_model_name=args.served_model_name, grpc_port=args.grpc_port or None,
+                          http_port=args.http_port or None,
                           metrics_port=args.metrics_port or None, host=args.host, max_num_seqs=args.max_num_seqs,
                           max_body_bytes=args.max_body_bytes)
 
@@ -161,7 +165,11 @@ def start_frontends(args, cluster) -> str:
 
     from folio.deploy.serve_app import build_app
 
-    ray_serve.start(http_options={"host": args.host, "port": args.http_port or 8000})
+    # the replicas serve HTTP themselves (http_server.py); Serve's proxy only on request
+    if args.serve_proxy_port:
+        ray_serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.serve_proxy_port})
+    else:
+        ray_serve.start(proxy_location="Disabled")
     ray_serve.run(build_app(frontend_config(args, cluster)), name="folio", route_prefix="/")
     parts = []
     if args.http_port:

@@ -119,7 +119,8 @@ def test_serve_arguments_parse_with_the_cli_and_match_the_ports(chart):
         ports = {p["name"]: p["containerPort"] for p in head["ports"]}
         assert (ports["http"], ports["grpc"], ports["metrics"]) == (args.http_port, args.grpc_port,
                                                                     args.metrics_port)
-        assert cfg["http_options"]["port"] == args.http_port
+        # the frontends serve the API on httpPort themselves; Serve's proxy (KubeRay's health checks) beside it
+        assert cfg["http_options"]["port"] == merged["serve"]["proxyPort"] == ports["serve"] != args.http_port
         services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
         assert services["demo-folio-grpc"]["spec"]["ports"][0]["port"] == args.grpc_port
         assert head["livenessProbe"]["grpc"]["port"] == args.grpc_port

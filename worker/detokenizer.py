@@ -1,4 +1,15 @@
-"""Incremental detokenisation and stop-string detection, one sequence at a time."""
+"""Incremental detokenisation and stop-string detection, one completion at a time.
+
+The rules live here once, for both places that turn tokens into text: the offline
+engine (`Detokenizer`, on a Sequence) and a serving frontend (`TextStream`, on the
+token ids a worker streams to it; the workers then do no detokenization at all):
+
+- a token's text is decoded in context (a DecodeStream primed with the prompt's tail);
+- a stop string is looked for only where the new text could complete it, and the text
+  is cut before it (after it with include_stop_str_in_output);
+- a stream sends text up to what could still be the start of a stop string
+  (`sendable_end`): once matched, a stop string is cut, so it must never have been sent.
+"""
 
 from __future__ import annotations
 
@@ -54,14 +65,58 @@ class Detokenizer:
         new = self._step(stream, token_id)
         if not new:
             return None
-        prev_len = len(seq.output_text)
-        seq.output_text += new
-        for stop in seq.params.stop:
-            # only look where the new text could complete a match
-            start = max(0, prev_len - len(stop) + 1)
-            pos = seq.output_text.find(stop, start)
-            if pos != -1:
-                end = pos + len(stop) if seq.params.include_stop_str_in_output else pos
-                seq.output_text = seq.output_text[:end]
-                return stop
-        return None
+        seq.output_text, stop = match_stop(seq.output_text, new, seq.params.stop,
+                                           seq.params.include_stop_str_in_output)
+        return stop
+
+
+def match_stop(text: str, new: str, stops, include: bool) -> tuple[str, str | None]:
+    """(`text` + `new`, cut at the first stop string the new text completes; that stop or None)."""
+    prev_len = len(text)
+    text += new
+    for stop in stops:
+        start = max(0, prev_len - len(stop) + 1)  # only where the new text could complete a match
+        pos = text.find(stop, start)
+        if pos != -1:
+            return text[: pos + len(stop) if include else pos], stop
+    return text, None
+
+
+def sendable_end(text_len: int, sent: int, stops, finished: bool) -> int:
+    """How much of a completion's text a stream may have sent: all of it once finished,
+    else all but what could still be the start of a stop string."""
+    if not stops or finished:
+        return text_len
+    return max(sent, text_len - (max(len(s) for s in stops) - 1))
+
+
+class TextStream:
+    """One completion's text in a serving frontend, from the token ids its worker streams:
+    the engine's rules above, and the delta to send at each chunk."""
+
+    __slots__ = ("_backend", "_decoder", "_stops", "_include", "text", "sent", "stop")
+
+    def __init__(self, tokenizer, prompt_ids: list[int], stops=(), include_stop: bool = False,
+                 skip_special_tokens: bool = True) -> None:
+        self._backend = tokenizer.backend_tokenizer
+        self._decoder = DecodeStream(ids=list(prompt_ids[-_PROMPT_CONTEXT:]), skip_special_tokens=skip_special_tokens)
+        self._stops, self._include = tuple(stops), include_stop
+        self.text = ""
+        self.sent = 0  # characters of `text` already handed out
+        self.stop: str | None = None  # the stop string that ended it
+
+    def append(self, token_id: int) -> bool:
+        """Add one token's text; True when it completed a stop string (the text is cut)."""
+        try:
+            new = self._decoder.step(self._backend, token_id) or ""
+        except Exception:  # noqa: BLE001 - an id the tokenizer cannot decode adds no text
+            new = ""
+        if new:
+            self.text, self.stop = match_stop(self.text, new, self._stops, self._include)
+        return self.stop is not None
+
+    def delta(self, finished: bool) -> str:
+        """The text not yet handed out that may be now."""
+        end = sendable_end(len(self.text), self.sent, self._stops, finished or self.stop is not None)
+        out, self.sent = self.text[self.sent : end], end
+        return out

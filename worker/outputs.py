@@ -7,6 +7,7 @@ the streaming frontends use it).
 
 from __future__ import annotations
 
+from folio.worker.detokenizer import sendable_end
 from folio.worker.sequence import CompletionOutput, RequestOutput, SequenceGroup
 
 OUTPUT_KINDS = ("final", "delta")
@@ -21,11 +22,8 @@ def make_request_output(group: SequenceGroup, kind: str) -> RequestOutput | None
     for seq in group.seqs:
         if kind == "delta":
             ids = seq.output_token_ids[seq._sent_tokens :]
-            end = len(seq.output_text)
-            if seq.params.stop and not seq.is_finished:
-                # hold back what could still turn out to be the start of a stop string:
-                # once matched, the stop string is cut from the text, so it must not be sent
-                end = max(seq._sent_text_len, end - (max(len(s) for s in seq.params.stop) - 1))
+            # hold back what could still turn out to be the start of a stop string (detokenizer.py)
+            end = sendable_end(len(seq.output_text), seq._sent_text_len, seq.params.stop, seq.is_finished)
             text = seq.output_text[seq._sent_text_len : end]
             lps = seq.logprobs[seq._sent_tokens :] if seq.logprobs is not None else None
             seq._sent_tokens += len(ids)

@@ -1,0 +1,85 @@
+"""The OpenAI-compatible HTTP API served by each frontend replica itself.
+
+Through Serve's HTTP proxy every request, and every chunk of every stream, crossed one
+more process (proxy -> replica, a Ray call per chunk). Instead each replica runs its own
+uvicorn server on the API's port, bound with SO_REUSEPORT as the gRPC server is, so the
+replicas of one node share the port and the kernel spreads connections across them.
+Ray Serve still owns the replicas' lifecycle, health checks and scaling; its own proxy,
+when one runs, listens elsewhere and serves the same routes (the slower way in).
+
+The app is the Serve ingress's FastAPI app: its class-based routes find their replica
+through Serve's replica context, which is process-wide, so they run unchanged here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+log = logging.getLogger("folio.http")
+
+LISTEN_BACKLOG = 2048
+
+
+def reuseport_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on (host, port) that other replicas on this node can share."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)
+        sock.setblocking(False)
+    except OSError as e:
+        sock.close()
+        raise RuntimeError(f"the HTTP API cannot bind {host}:{port}: {e}") from e
+    return sock
+
+
+class HTTPServer:
+    """uvicorn on the running event loop, serving `app` on a shared (SO_REUSEPORT) port."""
+
+    def __init__(self, app, host: str, port: int, keep_alive_s: float = 90.0) -> None:
+        import uvicorn
+
+        self.host, self.port = host, port
+        self.sock = reuseport_socket(host, port)
+        logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)  # errors are answered, not logged
+        config = uvicorn.Config(app, lifespan="off", access_log=False, log_level=None, log_config=None,
+                                timeout_keep_alive=keep_alive_s)
+        self.server = uvicorn.Server(config)
+        self.server.install_signal_handlers = lambda: None  # the replica's signals are Ray's
+        self.task: asyncio.Task | None = None
+
+    def start(self, ready=None, ready_timeout_s: float = 60.0) -> "HTTPServer":
+        """Serve from the running loop; with `ready` (a callable), only once it returns True
+        (connections made before wait in the listen backlog)."""
+        async def run():
+            deadline = asyncio.get_running_loop().time() + ready_timeout_s
+            while ready is not None and not ready():
+                if asyncio.get_running_loop().time() > deadline:
+                    raise RuntimeError("the replica never became ready to serve HTTP")
+                await asyncio.sleep(0.01)
+            await self.server.serve(sockets=[self.sock])
+        self.task = asyncio.get_running_loop().create_task(run())
+        return self
+
+    @property
+    def failed(self) -> BaseException | None:
+        """Why the server stopped, if it did (the replica's health check reports it)."""
+        if self.task is None or not self.task.done():
+            return None
+        if self.task.cancelled():
+            return RuntimeError("the HTTP server was cancelled")
+        return self.task.exception() or RuntimeError("the HTTP server stopped")
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        if self.task is not None:
+            try:
+                await asyncio.wait_for(self.task, 10)
+            except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
+                self.task.cancel()
+        self.sock.close()

@@ -1,0 +1,76 @@
+"""Text made in the frontend from a worker's token ids (deploy/stream_text.py) equals the
+offline engine's own text: the same incremental detokenization and stop-string rules,
+whatever the chunking, stop strings split across tokens included."""
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from folio.deploy.stream_text import StreamText, worker_params
+from folio.worker import LLM, SamplingParams
+from folio.worker.messages import CompletionDelta, StreamChunk
+
+from conftest import PROMPTS
+
+MAX = 24
+
+
+@pytest.fixture(scope="module")
+def llm(model_dirs):
+    return LLM(model_dirs["llama"], block_size=8, num_kv_blocks=64, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def free_runs(llm):
+    """Each prompt's greedy output with no stop string: the tokens a worker streams."""
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX, temperature=0.0, ignore_eos=True))
+    return {p: (list(o.prompt_token_ids), o.outputs[0].token_ids, o.outputs[0].text) for p, o in zip(PROMPTS, outs)}
+
+
+def _stream(tokenizer, prompt_ids, tokens, params, cuts):
+    """Feed `tokens` as chunks cut at `cuts` (a worker's steps); collect what a client gets."""
+    text = StreamText(tokenizer, prompt_ids, params)
+    got_text, got_ids, reason, n = "", [], None, 0
+    bounds = sorted({0, len(tokens), *[c % (len(tokens) + 1) for c in cuts]})
+    for a, b in zip(bounds, bounds[1:]):
+        n += b - a
+        last = b == len(tokens)
+        chunk = StreamChunk("r", "w", [CompletionDelta(0, tokens[a:b], "", n, "length" if last else None)], last)
+        out = text.apply(chunk)
+        for d in out.deltas:
+            got_text += d.text
+            got_ids += d.token_ids
+            reason = d.finish_reason or reason
+        if out.finished:
+            break
+    return got_text, got_ids, reason, text.texts[0].stop
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(which=st.integers(0, len(PROMPTS) - 1), start=st.integers(0, 200), length=st.integers(1, 6),
+       include=st.booleans(), cuts=st.lists(st.integers(0, MAX), max_size=8), extra=st.booleans())
+def test_frontend_text_equals_the_offline_engines(llm, free_runs, which, start, length, include, cuts, extra):
+    prompt = PROMPTS[which]
+    prompt_ids, tokens, full = free_runs[prompt]
+    if not full:
+        return
+    start %= len(full)
+    stops = [full[start : start + length]]  # a stop that occurs (often across a token boundary)
+    if extra:
+        stops.append("\x00never")  # and one that never does
+    params = SamplingParams(max_tokens=MAX, temperature=0.0, ignore_eos=True, stop=stops,
+                            include_stop_str_in_output=include)
+    want = llm.generate([prompt], params)[0].outputs[0]
+    got_text, got_ids, reason, stop = _stream(llm.engine.tokenizer, prompt_ids, tokens, params, cuts)
+    assert (got_text, got_ids, reason) == (want.text, want.token_ids, want.finish_reason)
+    assert stop == want.stop_reason
+
+
+def test_no_stop_strings_pass_text_through_and_no_detokenization_passes_through(llm, free_runs):
+    prompt_ids, tokens, full = free_runs[PROMPTS[1]]
+    params = SamplingParams(max_tokens=MAX, temperature=0.0, ignore_eos=True)
+    assert _stream(llm.engine.tokenizer, prompt_ids, tokens, params, [3, 7])[:3] == (full, tokens, "length")
+    raw = SamplingParams(max_tokens=MAX, temperature=0.0, stop=["x"], detokenize=False)
+    assert worker_params(raw) is raw and not worker_params(params).detokenize
+    chunk = StreamChunk("r", "w", [CompletionDelta(0, tokens, "", len(tokens), "length")], True)
+    assert StreamText(llm.engine.tokenizer, prompt_ids, raw).apply(chunk) is chunk
