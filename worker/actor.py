@@ -609,4 +609,4 @@ class EngineWorker:
 
     def _offer_load(self) -> None:
         if self._heartbeat is not None and not self.failed:
-            self._heartbeat.beat(self._load(), self.engine.kv)
+            self._heartbeat.beat(self._load, self.engine.kv)

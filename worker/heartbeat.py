@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from folio.worker.messages import WorkerLoad
 
@@ -47,13 +47,15 @@ class Heartbeat:
         self._need_whole = True
         self.num_resyncs = 0
         self.num_published = 0
-        self.beat_seconds = 0.0  # step-thread time spent in beat()
+        self.beat_cpu_seconds = 0.0  # step-thread CPU time spent in beat()
+        self.num_changes_sent = 0  # prefix changes handed to the publisher (whole sets not counted)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def beat(self, load: WorkerLoad, kv: Any) -> None:
-        """Step thread: hand over the load and the prefix changes since the last beat."""
-        t0 = time.perf_counter()
+    def beat(self, make_load: Callable[[], WorkerLoad], kv: Any) -> None:
+        """Step thread: hand over a new load and the prefix changes since the last beat."""
+        t0 = time.thread_time()
+        load = make_load()
         changes, lost = kv.prefix_cache_changes()
         with self._lock:
             if self._need_whole or lost:
@@ -69,7 +71,7 @@ class Heartbeat:
                 self._changes.update(changes)  # a later change of a hash wins
             self._load = load
         self._ready.set()
-        self.beat_seconds += time.perf_counter() - t0
+        self.beat_cpu_seconds += time.thread_time() - t0
 
     def _take(self) -> tuple[WorkerLoad | None, set[bytes] | None, dict[bytes, bool]]:
         with self._lock:
@@ -85,6 +87,7 @@ class Heartbeat:
             load, whole, changes = self._take()
             if load is None:
                 continue
+            self.num_changes_sent += len(changes)
             try:
                 synced = self.publisher.publish(load, whole, changes)
             except Exception as e:  # Redis away: the next heartbeat tries again, with the whole set
