@@ -1,12 +1,21 @@
-"""Routing and cross-GPU preemption policies: pure functions, exact asserts, no Ray."""
+"""Routing and cross-GPU preemption policies: pure functions, exact asserts, no Ray; the
+router's accounting of what it sent since each heartbeat, against a real Redis."""
 
+import asyncio
 import random
+import time
 
 import pytest
 
 from folio.cluster.placement import Move, plan_moves, starving
 from folio.cluster.policies import Candidate, least_loaded, power_of_two, prefix_aware, round_robin
-from folio.worker.messages import RequestSummary, WorkerLoad
+from folio.cluster.redis_server import EmbeddedRedis
+from folio.cluster.router import Router
+from folio.cluster.state import ClusterState, WorkerPublisher
+from folio.cluster.worker_client import LocalWorkerClient
+from folio.worker.hashing import hash_full_blocks
+from folio.worker.messages import GenerateRequest, RequestSummary, WorkerLoad
+from folio.worker.sampling_params import SamplingParams
 
 
 def cand(wid, free=100, total=100, queued=0, waiting=0, swapped=0, bs=16):
@@ -111,3 +120,62 @@ def test_swapped_out_kv_counts_as_load():
     idle = Candidate("idle", 100, 70, 0, 0, 0, 16)
     parked = Candidate("parked", 100, 90, 0, 0, 2, 16, swapped_blocks=60)  # few blocks in use, 60 coming back
     assert least_loaded([idle, parked]) == "idle"
+
+
+# ---- the router's own figures: its heartbeat snapshot plus what it sent since -------------
+def _beat(wid, free, queued=0, waiting=0):
+    return WorkerLoad(wid, time.time(), 200, free, 100, 100, 16, 0, waiting, 0, queued, 0.0, 0, 0, 0, 0, 0)
+
+
+def _reference(loads, sent):
+    """The per-pick accounting as first written (router.py before its caches): each pick
+    counts every request sent after that worker's heartbeat."""
+    return [Candidate(w, l.num_kv_blocks, l.num_free_blocks,
+                      l.queued_tokens + sum(n for t, n in sent[w] if t > l.timestamp),
+                      l.num_waiting + sum(1 for t, _ in sent[w] if t > l.timestamp), l.num_swapped, l.block_size,
+                      l.num_cpu_blocks - l.num_free_cpu_blocks)
+            for w, l in sorted(loads.items())]
+
+
+@pytest.mark.parametrize("policy", ["least-loaded", "prefix-aware"])
+def test_router_decisions_equal_the_reference_accounting_through_bursts_and_heartbeats(policy):
+    """Bursts of picks between heartbeats (no refresh), heartbeats of some workers in between:
+    every decision equals the policy over the reference figures, and a burst spreads."""
+    rng = random.Random(3)
+    systems = [[rng.randrange(50_000) for _ in range(64)] for _ in range(3)]
+    with EmbeddedRedis() as server:
+        pubs = {w: WorkerPublisher(server.url, "rt") for w in ("a", "b", "c", "d")}
+        held = {"a": hash_full_blocks(systems[0], 16), "b": hash_full_blocks(systems[1], 16)[:2]}
+        beats = {w: _beat(w, free=rng.randrange(120, 200)) for w in pubs}
+        for w, p in pubs.items():
+            p.publish(beats[w], set(held.get(w, ())))
+        router = Router(ClusterState(server.url, "rt"), LocalWorkerClient({}), policy, refresh_s=3600.0)
+        state = ClusterState(server.url, "rt")
+
+        async def run():
+            sent = {w: [] for w in pubs}
+            picked = []
+            for burst in range(6):
+                for i in range(40):
+                    prompt = rng.choice(systems) + [rng.randrange(50_000) for _ in range(rng.randrange(1, 200))]
+                    cands = _reference(beats, sent)
+                    if policy == "least-loaded":
+                        want = least_loaded(cands)
+                        cached = 0
+                    else:
+                        m = state.prefix_matches(sorted(beats), hash_full_blocks(prompt, 16))
+                        want = prefix_aware(cands, m, router.imbalance)
+                        cached = m[want] * 16
+                    got = await router.pick(GenerateRequest(f"r{burst}-{i}", prompt, SamplingParams(max_tokens=1)))
+                    assert got == want, (burst, i)
+                    sent[got].append((time.time(), len(prompt) - cached))
+                    picked.append(got)
+                for w in rng.sample(sorted(pubs), 2):  # two heartbeats arrive: they count what was sent
+                    beats[w] = _beat(w, free=rng.randrange(120, 200), queued=rng.randrange(0, 3000),
+                                     waiting=rng.randrange(0, 5))
+                    pubs[w].publish(beats[w], set(held.get(w, ())))
+                assert sorted(await router.live_loads(refresh=True)) == sorted(pubs)
+            return picked
+
+        picked = asyncio.run(run())
+    assert len(set(picked[:40])) > 1  # a burst between two heartbeats does not pile onto one worker
