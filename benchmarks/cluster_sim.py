@@ -149,13 +149,15 @@ def main() -> None:
     ap.add_argument("--policy", choices=POLICIES, action="append")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cluster_sim.json"))
     args = ap.parse_args()
+    load_before = os.getloadavg()[0]  # the machine is shared: how busy it was, beside the figures
     results = []
     for policy in args.policy or list(POLICIES):
         r = asyncio.run(run_policy(policy, args))
         print(json.dumps(r), flush=True)
         results.append(r)
     doc = {"benchmark": "cluster_sim", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-           "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                       "load_average_1m_start_end": [round(load_before, 1), round(os.getloadavg()[0], 1)]},
            "workers": args.workers, "gpu": "H200 (simulated)", "model": "llama-3-8b (simulated)",
            "kv_blocks_per_worker": args.kv_blocks, "command": " ".join(["python"] + sys.argv), "results": results}
     with open(args.out, "w") as f:
