@@ -6,7 +6,8 @@ One `folio serve` (2 workers, embedded Redis, HTTP + gRPC); each round starts `-
 streaming requests at once (max_tokens 1000, ignore_eos), which all leave early:
 half over HTTP (aiohttp; the connection is closed after 0-5 SSE chunks, or at 0 half the
 time before the response headers came), a quarter over gRPC cancelled after 0-5 messages,
-a quarter over gRPC with a deadline (0.05-0.6 s) that expires mid-stream. After each round the
+a quarter over gRPC with a deadline that expires mid-stream (0.7-2 x the last round's
+time to a first message, which the burst makes ~1 s here). After each round the
 workers must go idle (nothing running, waiting or swapped, every KV block free: their
 heartbeats in Redis) within `--idle-timeout-s`, and the generation counter (the workers'
 own, from the heartbeats) must have moved by < 5 % of the possible tokens (clients x
@@ -64,7 +65,8 @@ def start_server(model: str, namespace: str, workers: int = 2, kv_blocks: int = 
            "--host", "127.0.0.1", "--http-port", str(http), "--grpc-port", str(grpc_port), "--block-size", "16",
            "--num-kv-blocks", str(kv_blocks), "--max-model-len", str(max_model_len), "--max-num-requests", "4096",
            "--router", "least-loaded", "--namespace", namespace, "--grace-period-s", "2", "--served-model-name", "m"]
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               RAY_raylet_start_wait_time_s="180")  # a loaded machine: Ray's 60 s default timed out once
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)  # a file: no pipe to fill up
     srv = {"proc": proc, "log": log.name, "http": f"http://127.0.0.1:{http}", "grpc": f"127.0.0.1:{grpc_port}",
            "namespace": namespace, "workers": workers}
@@ -82,6 +84,8 @@ def start_server(model: str, namespace: str, workers: int = 2, kv_blocks: int = 
 
 def stop_server(srv: dict) -> int | None:
     proc = srv["proc"]
+    if srv.get("loop") is not None:
+        srv["loop"].close()
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -205,28 +209,33 @@ def _grpc_request(rng: random.Random, max_tokens: int):
         max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 
 
-async def grpc_cancel_client(stub, rng: random.Random, leave_after: int, max_tokens: int) -> int:
-    """Cancel the stream after `leave_after` messages (at 0, as soon as it is started)."""
+async def grpc_cancel_client(stub, rng: random.Random, leave_after: int, max_tokens: int) -> tuple[int, float | None]:
+    """Cancel the stream after `leave_after` messages (at 0, as soon as it is started).
+    Returns (tokens read, seconds to the first message or None)."""
+    t0 = time.monotonic()
     call = stub.GenerateStream(_grpc_request(rng, max_tokens))
     read = n = 0
+    ttft = None
     if leave_after:
         async for msg in call:
             if msg.finished:
                 raise RuntimeError(f"the stream ended: {msg}")
+            ttft = time.monotonic() - t0 if ttft is None else ttft
             read, n = read + sum(len(d.token_ids) for d in msg.deltas), n + 1
             if n >= leave_after:
                 break
     else:
         await asyncio.sleep(rng.uniform(0, 0.05))
     call.cancel()
-    return read
+    return read, ttft
 
 
-async def grpc_deadline_client(stub, rng: random.Random, max_tokens: int) -> tuple[int, int]:
-    """Read until a 0.05-0.6 s deadline expires. Returns (tokens read, messages read)."""
+async def grpc_deadline_client(stub, rng: random.Random, max_tokens: int, ttft_s: float) -> tuple[int, int]:
+    """Read until a deadline of 0.7-2 x `ttft_s` (the last round's time to a first message)
+    expires: before the first message or a few in. Returns (tokens read, messages read)."""
     import grpc
 
-    call = stub.GenerateStream(_grpc_request(rng, max_tokens), timeout=rng.uniform(0.05, 0.6))
+    call = stub.GenerateStream(_grpc_request(rng, max_tokens), timeout=rng.uniform(0.7, 2.0) * ttft_s)
     read = n = 0
     try:
         async for msg in call:
@@ -239,7 +248,7 @@ async def grpc_deadline_client(stub, rng: random.Random, max_tokens: int) -> tup
     return read, n
 
 
-async def drive(srv: dict, clients: int, seed: int, max_tokens: int) -> dict:
+async def drive(srv: dict, clients: int, seed: int, max_tokens: int, ttft_s: float) -> dict:
     """One round: `clients` clients at once (half HTTP, a quarter gRPC cancel, a quarter deadline)."""
     import aiohttp
     import grpc
@@ -252,6 +261,7 @@ async def drive(srv: dict, clients: int, seed: int, max_tokens: int) -> dict:
     if "grpc_deadline" in out:
         out["grpc_deadline"]["messages_before_deadline"] = [0] * 8  # [7]: 7 or more
     errors: list[str] = []
+    ttfts: list[float] = []
     url = srv["http"] + "/v1/completions"
 
     async def one(i: int, kind: str, session, stub):
@@ -260,9 +270,10 @@ async def drive(srv: dict, clients: int, seed: int, max_tokens: int) -> dict:
             if kind == "http":
                 got = await http_client(session, url, r, r.randint(0, 5), max_tokens)
             elif kind == "grpc_cancel":
-                got = await grpc_cancel_client(stub, r, r.randint(0, 5), max_tokens)
+                got, ttft = await grpc_cancel_client(stub, r, r.randint(0, 5), max_tokens)
+                ttfts.extend([ttft] if ttft is not None else [])
             else:
-                got, n = await grpc_deadline_client(stub, r, max_tokens)
+                got, n = await grpc_deadline_client(stub, r, max_tokens, ttft_s)
                 out[kind]["messages_before_deadline"][min(n, 7)] += 1
             out[kind]["read"] += got
         except Exception as e:
@@ -277,6 +288,8 @@ async def drive(srv: dict, clients: int, seed: int, max_tokens: int) -> dict:
             await asyncio.gather(*(one(i, k, session, stub) for i, k in enumerate(kinds)))
     out["errors"] = errors[:10]
     out["num_errors"] = len(errors)
+    out["deadline_base_s"] = round(ttft_s, 3)
+    out["ttft_median_s"] = round(sorted(ttfts)[len(ttfts) // 2], 3) if ttfts else None
     return out
 
 
@@ -286,7 +299,10 @@ def one_round(srv: dict, state, pids: dict, clients: int, seed: int, max_tokens:
     ok, loads, _ = wait_idle(state, srv["workers"], idle_timeout_s)
     before = generated(loads)
     t0 = time.monotonic()
-    res = asyncio.run(drive(srv, clients, seed, max_tokens))
+    if srv.get("loop") is None:  # one event loop for all rounds (grpc.aio's poller outlives a closed one)
+        srv["loop"] = asyncio.new_event_loop()
+    res = srv["loop"].run_until_complete(drive(srv, clients, seed, max_tokens, srv.get("ttft_s", 1.0)))
+    srv["ttft_s"] = res["ttft_median_s"] or srv.get("ttft_s", 1.0)
     clients_s = time.monotonic() - t0
     idle, loads, idle_s = wait_idle(state, srv["workers"], idle_timeout_s)
     made, possible = generated(loads) - before, clients * max_tokens
@@ -344,7 +360,9 @@ def main() -> int:
                   f"(max {runs[-1]['max_generated_share']:.2%}), read {[r['read_tokens'] for r in rounds]}; "
                   f"idle after {max(r['idle_after_s'] for r in rounds):.1f} s max; KV "
                   f"{'free' if all(r['idle'] for r in rounds) else 'NOT FREE'}; rss {rss_before} -> {rss_after}; "
-                  f"{runs[-1]['seconds']} s", flush=True)
+                  f"{runs[-1]['seconds']} s; deadline calls by messages read before it [0..7+]: "
+                  f"{[sum(r['by_kind']['grpc_deadline']['messages_before_deadline'][i] for r in rounds) for i in range(8)]}",
+                  flush=True)
             for r in rounds:
                 for m in r["misses"]:
                     print(f"  MISS round seed {r['seed']}: {m}", flush=True)
