@@ -80,6 +80,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 raise InvalidRequestError(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
             params = sampling_params(request.sampling)
             ids = await self._prompt(request)
+            limit = self.frontend.cfg.max_model_len
+            if len(ids) < limit < len(ids) + params.max_tokens:  # refused as over HTTP, never clamped
+                raise InvalidRequestError(f"This model's maximum context length is {limit} tokens. However, you "
+                                          f"requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the "
+                                          f"prompt, {params.max_tokens} in the completion)", param="max_tokens")
             gen = self.frontend.generate(ids, params, request.priority, request.request_id or None)
             try:
                 async for chunk in gen:

@@ -237,6 +237,7 @@ def test_grpc_abort_cancel_and_deadline_free_the_blocks(server, stub):
     (req(ids=[]), "empty"),
     (pb.GenerateRequest(), "no prompt"),
     (req(ids=list(range(300))), "max_model_len"),
+    (req(ids=list(range(20, 220)), max_tokens=100), "maximum context length is 256"),
     (req("hi", max_tokens=0), "max_tokens"),
     (req("hi", temperature=-0.5), "temperature"),
     (req("hi", top_p=1.5), "top_p"),

@@ -594,7 +594,7 @@ class EngineWorker:
         reqs = [RequestSummary(rid, state, prio, _wall_from_mono(arr), blocks)
                 for rid, state, prio, arr, blocks in e.request_summaries(e.queued_request_ids()) if state != "running"]
         reqs.sort(key=lambda r: (r.priority, r.arrival_time, r.request_id))
-        queued = e.queued_prompt_tokens()
+        queued, least_urgent = e.queue_figures()
         swap = getattr(e.kv, "swap", None)
         return WorkerLoad(self.worker_id, time.time(), st.num_kv_blocks, st.num_free_blocks, st.num_cpu_blocks,
                           swap.num_free if swap is not None else 0, e.config.block_size, st.num_running,
@@ -605,7 +605,7 @@ class EngineWorker:
                            "preemptions_swap": st.preemptions_by_mode.get("swap", 0),
                            "preemptions_recompute": st.preemptions_by_mode.get("recompute", 0),
                            "prefix_cache_queries": st.prefix_cache_queries, "prefix_cache_hits": st.prefix_cache_hits,
-                           "cpu_usage": st.cpu_usage}, e.max_running_priority())
+                           "cpu_usage": st.cpu_usage}, least_urgent)
 
     def _offer_load(self) -> None:
         if self._heartbeat is not None and not self.failed:

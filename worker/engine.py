@@ -200,15 +200,21 @@ class LLMEngine:
         run = self.scheduler.running
         return list(dict.fromkeys(s.group.request_id for s in run if min_priority is None or s.priority > min_priority))
 
-    def queued_prompt_tokens(self) -> int:
-        """Prompt tokens not yet computed, over waiting, swapped and running sequences."""
+    def queue_figures(self) -> tuple[int, int | None]:
+        """(prompt tokens not yet computed, over waiting, swapped and running sequences; the
+        largest priority value, the least urgent, among running ones): one pass, for the
+        heartbeat (running sequences still prefilling are the only running ones that count)."""
         sch = self.scheduler
-        seqs = itertools.chain(sch.running, sch.swapped, sch.waiting_sequences())
-        return sum(max(s.num_prompt_tokens - s.num_computed_tokens, 0) for s in seqs)
-
-    def max_running_priority(self) -> int | None:
-        """The largest priority value (the least urgent) among running requests."""
-        return max((s.priority for s in self.scheduler.running), default=None)
+        queued = sum(max(s.num_prompt_tokens - s.num_computed_tokens, 0)
+                     for s in itertools.chain(sch.swapped, sch.waiting_sequences()))
+        worst = None
+        for s in sch.running:
+            if s.num_computed_tokens < s.num_prompt_tokens:
+                queued += s.num_prompt_tokens - s.num_computed_tokens
+            p = s.group.priority
+            if worst is None or p > worst:
+                worst = p
+        return queued, worst
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
