@@ -2,12 +2,16 @@
 
     python benchmarks/cancellation_stress.py --model DIR [--runs 20] [--rounds 5] [--clients 200]
 
+DIR as recorded: `folio make-tiny-model DIR` (the defaults: 2 layers, hidden 64, vocab 1024);
+a fast model is the harder case (more tokens per second run between a client leaving and its abort).
+
 One `folio serve` (2 workers, embedded Redis, HTTP + gRPC); each round starts `--clients`
 streaming requests at once (max_tokens 1000, ignore_eos), which all leave early:
 half over HTTP (aiohttp; the connection is closed after 0-5 SSE chunks, or at 0 half the
 time before the response headers came), a quarter over gRPC cancelled after 0-5 messages,
-a quarter over gRPC with a deadline that expires mid-stream (0.7-2 x the last round's
-time to a first message, which the burst makes ~1 s here). After each round the
+a quarter over gRPC with a deadline: half of them 0.05-0.6 s (it expires before the first
+message: the burst's prefills take longer), half 0.6-1.3 x the last round's median time to a
+first message (it expires around it, often mid-stream; a later one reads hundreds of tokens). After each round the
 workers must go idle (nothing running, waiting or swapped, every KV block free: their
 heartbeats in Redis) within `--idle-timeout-s`, and the generation counter (the workers'
 own, from the heartbeats) must have moved by < 5 % of the possible tokens (clients x
@@ -230,12 +234,14 @@ async def grpc_cancel_client(stub, rng: random.Random, leave_after: int, max_tok
     return read, ttft
 
 
-async def grpc_deadline_client(stub, rng: random.Random, max_tokens: int, ttft_s: float) -> tuple[int, int]:
-    """Read until a deadline of 0.7-2 x `ttft_s` (the last round's time to a first message)
-    expires: before the first message or a few in. Returns (tokens read, messages read)."""
+async def grpc_deadline_client(stub, rng: random.Random, max_tokens: int, ttft_s: float | None) -> tuple[int, int]:
+    """Read until the call's deadline expires: 0.05-0.6 s (`ttft_s` None: under the burst,
+    before the first message), or 0.6-1.3 x `ttft_s` (the last round's median time to a
+    first message: around it, mid-stream). Returns (tokens read, messages read)."""
     import grpc
 
-    call = stub.GenerateStream(_grpc_request(rng, max_tokens), timeout=rng.uniform(0.7, 2.0) * ttft_s)
+    timeout = rng.uniform(0.05, 0.6) if ttft_s is None else rng.uniform(0.6, 1.3) * ttft_s
+    call = stub.GenerateStream(_grpc_request(rng, max_tokens), timeout=timeout)
     read = n = 0
     try:
         async for msg in call:
@@ -273,7 +279,7 @@ async def drive(srv: dict, clients: int, seed: int, max_tokens: int, ttft_s: flo
                 got, ttft = await grpc_cancel_client(stub, r, r.randint(0, 5), max_tokens)
                 ttfts.extend([ttft] if ttft is not None else [])
             else:
-                got, n = await grpc_deadline_client(stub, r, max_tokens, ttft_s)
+                got, n = await grpc_deadline_client(stub, r, max_tokens, ttft_s if i % 8 == 7 else None)
                 out[kind]["messages_before_deadline"][min(n, 7)] += 1
             out[kind]["read"] += got
         except Exception as e:
@@ -352,6 +358,7 @@ def main() -> int:
                       for r in range(args.rounds)]
             rss_after = rounds[-1]["rss_mb_after"]
             misses = sum(1 for r in rounds if r["misses"])
+            hist = [sum(r["by_kind"]["grpc_deadline"]["messages_before_deadline"][i] for r in rounds) for i in range(8)]
             runs.append({"run": run, "seconds": round(time.monotonic() - t0, 1), "misses": misses,
                          "max_generated_share": max(r["generated_share"] for r in rounds),
                          "rss_mb_before": rss_before, "rss_mb_after": rss_after, "rounds": rounds})
@@ -361,7 +368,7 @@ def main() -> int:
                   f"idle after {max(r['idle_after_s'] for r in rounds):.1f} s max; KV "
                   f"{'free' if all(r['idle'] for r in rounds) else 'NOT FREE'}; rss {rss_before} -> {rss_after}; "
                   f"{runs[-1]['seconds']} s; deadline calls by messages read before it [0..7+]: "
-                  f"{[sum(r['by_kind']['grpc_deadline']['messages_before_deadline'][i] for r in rounds) for i in range(8)]}",
+                  f"{hist}",
                   flush=True)
             for r in rounds:
                 for m in r["misses"]:
