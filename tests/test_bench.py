@@ -97,7 +97,8 @@ CAP = ["--max-concurrency", str(FOLIO_SERVER_LIMIT)]  # at most the server's adm
     ("random", ["--rate", "20", *CAP]),
     ("random", ["--endpoint", "chat", "--rate", "20", *CAP]),  # /v1/chat/completions
     ("shared-prefix", ["--rate", "20", "--arrival", "gamma", "--burstiness", "0.5", "--prefix-len", "16", *CAP]),
-    ("multi-turn", ["--max-concurrency", "2", "--turns", "3"]),
+    # lengths that keep 3 turns within max_model_len 256 (past it the server answers 400, never clamps)
+    ("multi-turn", ["--max-concurrency", "2", "--turns", "3", "--input-len", "fixed:8", "--output-len", "fixed:8"]),
     ("burst", CAP),
 ])
 def test_every_workload_and_shape_completes_over_http(folio_server, tmp_path, workload, shape):
