@@ -8,16 +8,26 @@
   one Ray message per step for all of the client's requests);
 - serve-grpc: `folio serve --num-workers 1`, streams read over gRPC by `folio bench`
   (adds the Serve replica, where the gRPC server runs: one more process per token);
-- serve: the same over HTTP (the replica serves HTTP itself: deploy/http_server.py).
+- serve: the same over HTTP (the replica serves HTTP itself: deploy/http_server.py);
+- vllm-offline / vllm-serve (with --modes): vLLM's offline `LLM` on the same token ids,
+  `streams` at a time, and `vllm serve` driven by the same `folio bench` command: vLLM's
+  served / offline ratio is the reference of what this machine allows a served engine.
 
     python benchmarks/serving_path_cost.py --model models/tiny-llama-8l [--streams 16,64] [--abba]
+        [--modes inprocess,ray,serve-grpc,serve,vllm-offline,vllm-serve]
 
-The load client (`folio bench`, another process) shares the machine's cores with the
+Every mode sends the same prompts: PROMPT random token ids (`folio bench --input-unit tokens`;
+until 2026-12-01 the served modes sent 50 *words*, 190 tokens of this tokenizer, which
+overflowed the KV cache at 64 streams and made them preempt: those figures were not
+comparable). The load client (`folio bench`, another process) shares the machine's cores with the
 server, as it does in any one-machine comparison. With --abba the modes run in order and
 then in reverse, and each figure is the mean of its two runs (this machine is noisy).
 
-Reports output tokens/s, and for the first two the engine's forward time per step
-(from the engine's own timers), to `benchmarks/results/serving_path_cost.json`.
+Reports output tokens/s and the engine's steps and forward time per step (its own timers;
+for the served modes read from /metrics: folio_engine_steps_total and
+folio_engine_step_seconds_total{phase="forward"}), and for the served modes the CPU seconds
+per 1,000 output tokens of each process role (engine, frontend / API server, the load
+client, the rest), to `benchmarks/results/serving_path_cost.json`.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import functools
 import json
 import os
 import random
+import resource
 import socket
 import subprocess
 import sys
@@ -129,6 +140,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def engine_counters(port: int) -> dict:
+    """The worker's step count and forward seconds, from `folio serve`'s /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    got = {"steps": 0.0, "forward": 0.0}
+    for line in text.splitlines():
+        if line.startswith("folio_engine_steps_total{"):
+            got["steps"] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("folio_engine_step_seconds_total{") and 'phase="forward"' in line:
+            got["forward"] += float(line.rsplit(" ", 1)[1])
+    return got
+
+
+def cpu_by_role(root: int) -> dict:
+    """CPU seconds (user + system) so far of `folio serve`'s process tree, by role."""
+    import psutil
+
+    out: dict = {}
+    procs = [psutil.Process(root)] + psutil.Process(root).children(recursive=True)
+    for p in procs:
+        try:
+            cmd = " ".join(p.cmdline()) + " " + p.name()  # vLLM names its engine process (comm) only
+            t = p.cpu_times()
+        except psutil.Error:
+            continue
+        role = ("engine worker" if "EngineWorker" in cmd or "EngineCore" in cmd else
+                "frontend replica" if "FolioFrontend" in cmd or "api_server" in cmd else
+                "Ray, Redis, driver (the rest)")
+        out[role] = out.get(role, 0.0) + t.user + t.system
+    return out
+
+
 def run_serve(model, grpc: bool = False) -> dict:
     port, grpc_port = free_port(), free_port()
     env = dict(os.environ, RAY_AUTH_MODE="disabled", HF_HUB_OFFLINE="1")
@@ -138,35 +180,120 @@ def run_serve(model, grpc: bool = False) -> dict:
                             "--num-kv-blocks", str(KV_BLOCKS), "--max-model-len", "1024", "--max-num-requests", "1024",
                             "--namespace", f"cost{os.getpid()}", "--grace-period-s", "1"],
                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    target = f"grpc://127.0.0.1:{grpc_port}" if grpc else f"http://127.0.0.1:{port}"
+    return _drive_server(srv, port, target)
+
+
+def _drive_server(srv: subprocess.Popen, port: int, target: str, ready_s: float = 300) -> dict:
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", HF_HUB_OFFLINE="1")
     try:
-        for _ in range(300):
+        for _ in range(int(ready_s)):
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
                 break
             except OSError:
+                if srv.poll() is not None:
+                    raise SystemExit(f"the server exited with {srv.returncode} before it was ready")
                 time.sleep(1)
         out = os.path.join(tempfile.mkdtemp(), "bench.json")
-        target = f"grpc://127.0.0.1:{grpc_port}" if grpc else f"http://127.0.0.1:{port}"
         res = {}
         for n in STREAMS:
             bench = [sys.executable, "-m", "folio.deploy.cli", "bench", "--target", target,
-                     "--workload", "random", "--input-len", f"fixed:{PROMPT}", "--output-len", f"fixed:{OUTPUT}",
+                     "--workload", "random", "--input-unit", "tokens", "--token-id-range", "16-8000",
+                     "--input-len", f"fixed:{PROMPT}", "--output-len", f"fixed:{OUTPUT}",
                      "--max-concurrency", str(n), "--quiet", "--out", out]
             subprocess.run(bench + ["--num-requests", "4"], env=env, check=True, capture_output=True)  # warm-up
+            time.sleep(0.5)  # the workers' counters reach /metrics with their heartbeat (100 ms)
+            before, cpu0 = engine_counters(port), cpu_by_role(srv.pid)  # (vLLM: no such counters)
+            client0 = resource.getrusage(resource.RUSAGE_CHILDREN)
             subprocess.run(bench + ["--num-requests", str(n * ROUNDS)], env=env, check=True, capture_output=True)
+            client1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu1 = cpu_by_role(srv.pid)
+            time.sleep(0.5)
+            after = engine_counters(port)
             s = json.load(open(out))["runs"][0]["summary"]
+            steps = after["steps"] - before["steps"] or float("nan")
+            cpu = {k: cpu1.get(k, 0.0) - cpu0.get(k, 0.0) for k in cpu1}
+            cpu["load client"] = (client1.ru_utime + client1.ru_stime) - (client0.ru_utime + client0.ru_stime)
             res[n] = {"output_tokens_per_s": round(s["output_throughput"], 1),
-                      "tpot_ms_median": round(1e3 * s["tpot_s"]["median"], 1)}
+                      "tpot_ms_median": round(1e3 * s["tpot_s"]["median"], 1), "steps": steps,
+                      "ms_per_step": round(1e3 * s["duration_s"] / steps, 1),
+                      "forward_ms_per_step": round(1e3 * (after["forward"] - before["forward"]) / steps, 1),
+                      # CPU seconds per 1,000 output tokens, per process role: the frontend's
+                      # cost per token, less at the mercy of this machine's noise than tok/s
+                      "cpu_s_per_1k_tokens": {k: round(1e3 * v / s["output_tokens"], 3) for k, v in cpu.items()},
+                      "cpu_share_of_machine": {k: round(v / s["duration_s"] / os.cpu_count(), 3)
+                                               for k, v in cpu.items()}}
         return res
     finally:
+        # the whole tree gone before the next mode starts: Ray's workers outlive the driver
+        # by seconds, and a cluster still stopping took half the next mode's cores
+        import psutil
+
+        tree = psutil.Process(srv.pid).children(recursive=True)
         os.killpg(srv.pid, 15)
         srv.wait(60)
+        _, alive = psutil.wait_procs(tree, timeout=60)
+        for p in alive:
+            p.kill()
+
+
+ROOT = os.path.dirname(HERE)
+VLLM_PY = os.path.join(ROOT, ".venv-vllm", "bin", "python")  # benchmarks/vs_peers_offline.py --setup-vllm
+VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": "2", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def vllm_prompts(n: int) -> list[list[int]]:
+    """The token ids `requests` makes, without importing Folio (this runs in vLLM's venv)."""
+    rng = random.Random(0)
+    return [[rng.randrange(16, 8000) for _ in range(PROMPT)] for _ in range(n)]
+
+
+def vllm_args(model: str) -> dict:
+    # the same KV budget in tokens; vLLM's CPU attention takes block sizes that are multiples of 32
+    return dict(model=os.path.abspath(model), dtype="float32", max_model_len=1024, block_size=32,
+                num_gpu_blocks_override=KV_BLOCKS * 16 // 32, seed=0)
+
+
+def run_vllm_offline(model) -> dict:
+    """vLLM's offline LLM on the same requests, `streams` at a time (max_num_seqs), as the
+    in-process mode runs them: the reference the served vLLM is measured against."""
+    from vllm import LLM, SamplingParams
+
+    res = {}
+    for n in STREAMS:
+        llm = LLM(max_num_seqs=n, **vllm_args(model))
+        params = SamplingParams(max_tokens=OUTPUT, temperature=0.0, ignore_eos=True, detokenize=False)
+        prompts = [{"prompt_token_ids": p} for p in vllm_prompts(1 + n * ROUNDS)]
+        llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts[1:], params, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        res[n] = {"output_tokens_per_s": round(sum(len(o.outputs[0].token_ids) for o in outs) / wall, 1)}
+        del llm
+    return res
+
+
+def run_vllm_serve(model) -> dict:
+    """`vllm serve` (its OpenAI server: API process + engine-core process), driven by the same
+    `folio bench` command as Folio's HTTP mode."""
+    port = free_port()
+    a = vllm_args(model)
+    cmd = [VLLM_PY, "-m", "vllm.entrypoints.openai.api_server", "--model", a["model"], "--dtype", "float32",
+           "--host", "127.0.0.1", "--port", str(port), "--block-size", "32", "--num-gpu-blocks-override",
+           str(a["num_gpu_blocks_override"]), "--max-model-len", "1024", "--seed", "0", "--max-num-seqs", "256"]
+    tmp = tempfile.mkdtemp(prefix="folio-cost-vllm-")  # not the checkout: its kernels/ shadows vLLM's import
+    log = open(os.path.join(tmp, "vllm.log"), "w")
+    srv = subprocess.Popen(cmd, env=dict(os.environ, **VLLM_ENV), stdout=log, stderr=subprocess.STDOUT,
+                           start_new_session=True, cwd=tmp)
+    return _drive_server(srv, port, f"http://127.0.0.1:{port}", ready_s=600)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
-    ap.add_argument("--modes", default="inprocess,ray,serve-grpc,serve")
+    ap.add_argument("--modes", default="inprocess,ray,serve-grpc,serve",
+                    help="also vllm-offline,vllm-serve: vLLM's served / offline ratio at the same load")
     ap.add_argument("--streams", default="16,64", help="concurrent streams, comma-separated")
     ap.add_argument("--abba", action="store_true", help="run the modes in order, then in reverse; average")
     ap.add_argument("--role", help=argparse.SUPPRESS)
@@ -175,7 +302,8 @@ def main() -> int:
     STREAMS[:] = [int(x) for x in args.streams.split(",")]
     if args.role:  # one mode, in a fresh process
         fn = {"inprocess": run_inprocess, "ray": run_ray, "serve": run_serve,
-              "serve-grpc": functools.partial(run_serve, grpc=True)}[args.role]
+              "serve-grpc": functools.partial(run_serve, grpc=True), "vllm-offline": run_vllm_offline,
+              "vllm-serve": run_vllm_serve}[args.role]
         print("RESULT " + json.dumps(fn(args.model)))
         return 0
     doc = {"benchmark": "serving_path_cost", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -184,10 +312,14 @@ def main() -> int:
                     "output_tokens": OUTPUT, "kv_blocks": KV_BLOCKS}, "runs": [], "modes": {}}
     modes = args.modes.split(",")
     order = modes + modes[::-1] if args.abba else modes
+    if any(m.startswith("vllm") for m in modes) and not os.path.exists(VLLM_PY):
+        raise SystemExit("no vLLM venv: run benchmarks/vs_peers_offline.py --setup-vllm first")
     for mode in order:
-        p = subprocess.run([sys.executable, os.path.abspath(__file__), "--model", args.model, "--role", mode,
-                            "--streams", args.streams],
-                           capture_output=True, text=True, env=dict(os.environ, RAY_AUTH_MODE="disabled"))
+        vllm = mode == "vllm-offline"  # in vLLM's venv, outside the checkout (its kernels/ shadows vLLM's)
+        p = subprocess.run([VLLM_PY if vllm else sys.executable, os.path.abspath(__file__),
+                            "--model", os.path.abspath(args.model), "--role", mode, "--streams", args.streams],
+                           capture_output=True, text=True, cwd=tempfile.gettempdir() if vllm else None,
+                           env=dict(os.environ, RAY_AUTH_MODE="disabled", **(VLLM_ENV if vllm else {})))
         line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
         if p.returncode != 0 or line is None:
             raise SystemExit(f"{mode} failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
@@ -200,8 +332,13 @@ def main() -> int:
     base = doc["modes"].get("inprocess")
     if base:
         doc["share_of_inprocess"] = {m: {n: round(v[n]["output_tokens_per_s"] / base[n]["output_tokens_per_s"], 3)
-                                         for n in v} for m, v in doc["modes"].items()}
+                                         for n in v} for m, v in doc["modes"].items() if not m.startswith("vllm")}
         print("share of in-process:", doc["share_of_inprocess"])
+    ref = doc["modes"].get("vllm-offline")
+    if ref and "vllm-serve" in doc["modes"]:  # what this machine allows a served engine (issue #15)
+        doc["vllm_served_over_offline"] = {n: round(doc["modes"]["vllm-serve"][n]["output_tokens_per_s"]
+                                                    / ref[n]["output_tokens_per_s"], 3) for n in ref}
+        print("vLLM served / offline:", doc["vllm_served_over_offline"])
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=2)
     return 0

@@ -19,7 +19,7 @@ import time
 
 from folio.deploy import bench_report as report
 from folio.deploy.bench_client import LoadShape, make_target, run_load
-from folio.deploy.bench_workloads import WORKLOADS, build
+from folio.deploy.bench_workloads import WORKLOADS, build, parse_id_range
 
 
 def add_bench_parser(sub) -> argparse.ArgumentParser:
@@ -31,7 +31,11 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
                    help="http targets: /v1/completions, or /v1/chat/completions with each prompt as a user message")
     p.add_argument("--num-requests", type=int, default=100)
-    p.add_argument("--input-len", default="uniform:32-256", help="words: fixed:N | uniform:A-B | lognormal:MED,SIGMA")
+    p.add_argument("--input-len", default="uniform:32-256",
+                   help="in --input-unit: fixed:N | uniform:A-B | lognormal:MED,SIGMA")
+    p.add_argument("--input-unit", choices=["words", "tokens"], default="words",
+                   help="tokens: prompts are token ids of exactly that length (random, burst, shared-prefix)")
+    p.add_argument("--token-id-range", default="1000-8000", help="--input-unit tokens: ids drawn from LO-HI")
     p.add_argument("--output-len", default="uniform:32-128", help="max_tokens, same forms")
     p.add_argument("--prefixes", type=int, default=4, help="shared-prefix: number of prefixes")
     p.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: words per prefix")
@@ -62,12 +66,15 @@ async def _run(args) -> dict:
                                        else None)
     target = make_target(args.target, args.model, args.api_key, ignore_eos=not args.no_ignore_eos,
                          endpoint=args.endpoint)
+    if args.endpoint == "chat" and args.input_unit == "tokens":
+        raise ValueError("--endpoint chat sends text: --input-unit tokens needs the completions endpoint")
     runs = []
     try:
         await target.resolve_model()
         for rate in rates:
             workload = build(args.workload, args.num_requests, args.seed, args.input_len, args.output_len,
-                             args.prefixes, args.prefix_len, args.turns, args.dataset)
+                             args.prefixes, args.prefix_len, args.turns, args.dataset, args.input_unit,
+                             parse_id_range(args.token_id_range))
             shape = LoadShape(rate or None, args.arrival, args.burstiness, args.max_concurrency, args.duration,
                               args.request_timeout)
             poller = report.MetricsPoller(metrics_url, api_key=args.api_key)

@@ -76,7 +76,7 @@ class HttpTarget:
             async with self.session.get(self.base + "/v1/models", headers=self.headers) as r:
                 self.model = (await r.json())["data"][0]["id"]
 
-    async def request(self, prompt: str, max_tokens: int, rec: Record, t0: float) -> None:
+    async def request(self, prompt: str | list[int], max_tokens: int, rec: Record, t0: float) -> None:
         body = {"model": self.model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
                 "stream_options": {"include_usage": True}, "ignore_eos": self.ignore_eos}
         if self.chat:
@@ -129,13 +129,14 @@ class GrpcTarget:
 
         self.model = (await self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata)).model
 
-    async def request(self, prompt: str, max_tokens: int, rec: Record, t0: float) -> None:
+    async def request(self, prompt: str | list[int], max_tokens: int, rec: Record, t0: float) -> None:
         import grpc
 
         from folio.v1 import generate_pb2 as pb
 
-        req = pb.GenerateRequest(text=prompt, sampling=pb.SamplingParameters(
-            max_tokens=max_tokens, temperature=0.0, ignore_eos=self.ignore_eos))
+        sampling = pb.SamplingParameters(max_tokens=max_tokens, temperature=0.0, ignore_eos=self.ignore_eos)
+        req = (pb.GenerateRequest(text=prompt, sampling=sampling) if isinstance(prompt, str) else
+               pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling))
         parts = []
         try:
             async for msg in self.stub.GenerateStream(req, metadata=self.metadata):
@@ -171,7 +172,7 @@ async def run_load(target, workload: Workload, shape: LoadShape, seed: int = 0,
     t0 = time.perf_counter()
     limit = asyncio.Semaphore(shape.max_concurrency) if shape.max_concurrency else None
 
-    async def one(prompt: str, max_tokens: int) -> Record:
+    async def one(prompt: str | list[int], max_tokens: int) -> Record:
         rec = Record(start=time.perf_counter() - t0)
         records.append(rec)
         try:
@@ -187,7 +188,7 @@ async def run_load(target, workload: Workload, shape: LoadShape, seed: int = 0,
     async def job(j) -> None:
         history = ""
         for turn in j.turns:  # a session's turns run in order, each with the conversation so far
-            prompt = (history + "\n" + turn.text).strip()
+            prompt = (history + "\n" + turn.text).strip() if history else turn.text
             if limit:
                 async with limit:
                     rec = await one(prompt, turn.max_tokens)
@@ -195,7 +196,8 @@ async def run_load(target, workload: Workload, shape: LoadShape, seed: int = 0,
                 rec = await one(prompt, turn.max_tokens)
             if rec.error:
                 return
-            history = prompt + rec.text
+            if isinstance(prompt, str):  # token-id prompts are one-turn jobs
+                history = prompt + rec.text
 
     tasks = []
     reporter = asyncio.create_task(_progress(records, workload.num_requests, t0)) if progress else None

@@ -1,7 +1,9 @@
 """Workloads for `folio bench`: what to send. Prompts are text (so the same workload
 runs against any OpenAI-compatible server, vLLM's included), built from a seeded
-pseudo-word vocabulary; lengths are in words (~1-2 tokens each; the report uses the
-token counts the server returns).
+pseudo-word vocabulary; lengths are in words (1-4 tokens each, by tokenizer; the report
+uses the token counts the server returns). With unit="tokens" (random, burst and
+shared-prefix) a prompt is a list of token ids drawn from id_range, so its length is
+exact on any server of the same vocabulary (as vLLM's `bench serve --dataset-name random`).
 
     random         lengths from fixed / uniform / long-tailed (log-normal) distributions
     shared-prefix  N prefixes x M suffixes (prefix caching, prefix-aware routing)
@@ -24,7 +26,7 @@ WORKLOADS = ("random", "shared-prefix", "multi-turn", "burst", "sharegpt")
 
 @dataclass
 class Turn:
-    text: str  # what the user adds in this turn (the whole prompt for a one-turn job)
+    text: str | list[int]  # what the user adds in this turn (the whole prompt for a one-turn job)
     max_tokens: int
 
 
@@ -81,18 +83,53 @@ class Words:
         return " ".join(rng.choice(self.vocab) for _ in range(n))
 
 
+class TokenIds:
+    """Random token ids in [lo, hi): prompts of an exact token length, no tokenizer needed."""
+
+    def __init__(self, lo: int, hi: int) -> None:
+        if not 0 <= lo < hi:
+            raise ValueError(f"bad token id range {lo}-{hi}")
+        self.lo, self.hi = lo, hi
+
+    def text(self, rng: random.Random, n: int) -> list[int]:
+        return [rng.randrange(self.lo, self.hi) for _ in range(n)]
+
+
+class _Joined:
+    """shared-prefix in token ids: prefix + suffix is list concatenation."""
+
+    @staticmethod
+    def join(a, b):
+        return a + b if isinstance(a, list) else a + " " + b
+
+
+def parse_id_range(spec: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in spec.split("-"))
+        return lo, hi
+    except ValueError:
+        raise ValueError(f"bad token id range {spec!r}: LO-HI (HI excluded)") from None
+
+
 def build(name: str, num_requests: int, seed: int = 0, input_len: str = "uniform:32-256",
           output_len: str = "uniform:32-128", prefixes: int = 4, prefix_len: int = 256, turns: int = 4,
-          sharegpt_path: str | None = None) -> Workload:
+          sharegpt_path: str | None = None, unit: str = "words", id_range: tuple[int, int] = (1000, 8000)) -> Workload:
     rng = random.Random(seed)
-    words = Words(seed)
+    if unit == "tokens":
+        if name in ("multi-turn", "sharegpt"):
+            raise ValueError(f"the {name} workload is text: use --input-unit words")
+        words = TokenIds(*id_range)
+    elif unit == "words":
+        words = Words(seed)
+    else:
+        raise ValueError(f"unknown input unit {unit!r}: words or tokens")
     inp, out = parse_dist(input_len), parse_dist(output_len)
     w = Workload(name)
     if name == "random":
         w.jobs = [Job([Turn(words.text(rng, inp(rng)), out(rng))]) for _ in range(num_requests)]
     elif name == "shared-prefix":
         heads = [words.text(rng, prefix_len) for _ in range(prefixes)]
-        w.jobs = [Job([Turn(heads[i % prefixes] + " " + words.text(rng, inp(rng)), out(rng))], group=i % prefixes)
+        w.jobs = [Job([Turn(_Joined.join(heads[i % prefixes], words.text(rng, inp(rng))), out(rng))], group=i % prefixes)
                   for i in range(num_requests)]
     elif name == "multi-turn":
         sessions = max(num_requests // turns, 1)

@@ -85,12 +85,20 @@ class WorkerCollector:
             "folio_prefix_cache_queries": ("Prefix-cache blocks looked up",
                                            lambda l: l.counters.get("prefix_cache_queries", 0)),
             "folio_prefix_cache_hits": ("Prefix-cache blocks found", lambda l: l.counters.get("prefix_cache_hits", 0)),
+            "folio_engine_steps": ("Engine steps run", lambda l: l.counters.get("steps", 0)),
         }
         for name, (doc, get) in counters.items():
             c = CounterMetricFamily(name, doc, labels=["model_name", "worker"])
             for w, l in loads.items():
                 c.add_metric([m, w], float(get(l)))
             yield c
+        phases = CounterMetricFamily("folio_engine_step_seconds", "Seconds of engine steps, by phase",
+                                     labels=["model_name", "worker", "phase"])
+        for w, l in loads.items():
+            for k, v in l.counters.items():
+                if k.startswith("step_s_"):
+                    phases.add_metric([m, w, k[len("step_s_"):]], float(v))
+        yield phases
 
 
 class _Labelled:

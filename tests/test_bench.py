@@ -71,6 +71,18 @@ def test_workloads_and_load_shapes(tmp_path):
     (tmp_path / "sg.json").write_text(json.dumps(data))
     sg = build("sharegpt", 3, sharegpt_path=str(tmp_path / "sg.json"))
     assert [(j.turns[0].text, j.turns[0].max_tokens) for j in sg.jobs] == [("hello there", 4)] * 3
+    ids = build("random", 20, input_len="uniform:3-9", unit="tokens", id_range=(16, 40))
+    assert all(isinstance(j.turns[0].text, list) and 3 <= len(j.turns[0].text) <= 9
+               and all(16 <= t < 40 for t in j.turns[0].text) for j in ids.jobs)
+    assert len({tuple(j.turns[0].text) for j in ids.jobs}) > 10  # seeded, not constant
+    assert [j.turns[0].text for j in build("random", 20, input_len="uniform:3-9", unit="tokens",
+                                           id_range=(16, 40)).jobs] == [j.turns[0].text for j in ids.jobs]
+    spt = build("shared-prefix", 6, prefixes=2, prefix_len=5, input_len="fixed:3", unit="tokens")
+    assert all(len(j.turns[0].text) == 8 for j in spt.jobs)
+    assert len({(j.group, tuple(j.turns[0].text[:5])) for j in spt.jobs}) == 2
+    for name in ("multi-turn", "sharegpt"):
+        with pytest.raises(ValueError, match="--input-unit words"):
+            build(name, 4, unit="tokens", sharegpt_path=str(tmp_path / "sg.json"))
     rng = random.Random(1)
     poisson = LoadShape(rate=20.0).gaps(4000, rng)
     assert sum(poisson) / 4000 == pytest.approx(0.05, rel=0.05)
@@ -110,6 +122,16 @@ def test_every_workload_and_shape_completes_over_http(folio_server, tmp_path, wo
     assert (s["completed"], s["failed"]) == (6, 0) and s["output_tokens"] >= 6 * 4, s["errors"]
     assert s["ttft_s"]["p99"] <= s["e2e_s"]["p99"]
     assert s["folio"]["generation_tokens"] >= s["output_tokens"]  # the server's counters moved with it
+
+
+@pytest.mark.parametrize("api", ["http", "grpc"])
+def test_token_id_prompts_have_exactly_the_asked_length(folio_server, tmp_path, api):
+    out = tmp_path / "r.json"
+    target = folio_server["http"] if api == "http" else "grpc://" + folio_server["grpc"]
+    bench(folio_server, "--target", target, "--workload", "random", "--num-requests", "6", "--input-unit", "tokens",
+          "--input-len", "fixed:13", "--token-id-range", "16-200", "--out", str(out), *CAP)
+    s = json.loads(out.read_text())["runs"][0]["summary"]
+    assert (s["completed"], s["prompt_tokens"]) == (6, 6 * 13), s
 
 
 def test_grpc_target_sweep_sharegpt_plots_and_compare(folio_server, tmp_path):
@@ -160,3 +182,9 @@ def test_bad_bench_arguments_fail_clearly(folio_server):
                         "--api-key", FOLIO_SERVER_KEY, "--output-len", "gaussian:3", "--quiet"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "bad length distribution" in r.stderr
+    for extra, msg in ((["--endpoint", "chat", "--input-unit", "tokens"], "--input-unit tokens needs the completions"),
+                       (["--input-unit", "tokens", "--token-id-range", "9-3"], "bad token id range"),
+                       (["--input-unit", "tokens", "--token-id-range", "x"], "bad token id range")):
+        r = subprocess.run([sys.executable, "-m", "folio.deploy.cli", "bench", "--target", folio_server["http"],
+                            "--api-key", FOLIO_SERVER_KEY, "--quiet", *extra], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and msg in r.stderr, (extra, r.stderr[-500:])

@@ -404,9 +404,12 @@ def test_metrics_have_model_name_no_created_and_negotiate_openmetrics(folio_serv
     samples = [s for fam in parse_text(text) for s in fam.samples]
     assert not [s.name for s in samples if s.name.endswith("_created")]
     for prefix in ("folio_requests_total", "folio_time_to_first_token_seconds", "folio_e2e_request_latency_seconds",
-                   "folio_generation_tokens_total", "folio_prompt_tokens_total", "folio_kv_cache_usage_ratio"):
+                   "folio_generation_tokens_total", "folio_prompt_tokens_total", "folio_kv_cache_usage_ratio",
+                   "folio_engine_steps_total", "folio_engine_step_seconds_total"):
         mine = [s for s in samples if s.name.startswith(prefix)]
         assert mine and all(s.labels.get("model_name") == name for s in mine), prefix
+    phases = {s.labels["phase"] for s in samples if s.name == "folio_engine_step_seconds_total"}
+    assert {"schedule", "prepare", "forward", "sample", "postprocess", "swap"} <= phases, phases
     ctype, text = _scrape(folio_server, url_key, accept="application/openmetrics-text;version=1.0.0,text/plain;q=0.5")
     assert ctype.startswith("application/openmetrics-text; version=1.0.0") and text.endswith("# EOF\n")
     fams = {f.name: f for f in parse_om(text)}
