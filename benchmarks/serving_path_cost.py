@@ -164,7 +164,7 @@ def cpu_by_role(root: int) -> dict:
             t = p.cpu_times()
         except psutil.Error:
             continue
-        role = ("engine worker" if "EngineWorker" in cmd or "EngineCore" in cmd else
+        role = ("engine worker" if "EngineWorker" in cmd or "EngineCor" in cmd else  # comm: 15 characters
                 "frontend replica" if "FolioFrontend" in cmd or "api_server" in cmd else
                 "Ray, Redis, driver (the rest)")
         out[role] = out.get(role, 0.0) + t.user + t.system
