@@ -171,21 +171,23 @@ def cpu_by_role(root: int) -> dict:
     return out
 
 
+SERVE_ENV = dict(os.environ, RAY_AUTH_MODE="disabled", HF_HUB_OFFLINE="1")
+
+
 def run_serve(model, grpc: bool = False) -> dict:
     port, grpc_port = free_port(), free_port()
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", HF_HUB_OFFLINE="1")
     log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
     srv = subprocess.Popen([sys.executable, "-m", "folio.deploy.cli", "serve", "--model", model, "--num-workers", "1",
                             "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", str(grpc_port), "--block-size", "16",
                             "--num-kv-blocks", str(KV_BLOCKS), "--max-model-len", "1024", "--max-num-requests", "1024",
                             "--namespace", f"cost{os.getpid()}", "--grace-period-s", "1"],
-                           env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                           env=SERVE_ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     target = f"grpc://127.0.0.1:{grpc_port}" if grpc else f"http://127.0.0.1:{port}"
     return _drive_server(srv, port, target)
 
 
 def _drive_server(srv: subprocess.Popen, port: int, target: str, ready_s: float = 300) -> dict:
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", HF_HUB_OFFLINE="1")
+    env = SERVE_ENV
     try:
         for _ in range(int(ready_s)):
             try:
@@ -212,13 +214,14 @@ def _drive_server(srv: subprocess.Popen, port: int, target: str, ready_s: float 
             time.sleep(0.5)
             after = engine_counters(port)
             s = json.load(open(out))["runs"][0]["summary"]
-            steps = after["steps"] - before["steps"] or float("nan")
+            steps = after["steps"] - before["steps"]  # 0 for vLLM: no such counters
             cpu = {k: cpu1.get(k, 0.0) - cpu0.get(k, 0.0) for k in cpu1}
             cpu["load client"] = (client1.ru_utime + client1.ru_stime) - (client0.ru_utime + client0.ru_stime)
             res[n] = {"output_tokens_per_s": round(s["output_throughput"], 1),
                       "tpot_ms_median": round(1e3 * s["tpot_s"]["median"], 1), "steps": steps,
-                      "ms_per_step": round(1e3 * s["duration_s"] / steps, 1),
-                      "forward_ms_per_step": round(1e3 * (after["forward"] - before["forward"]) / steps, 1),
+                      "ms_per_step": round(1e3 * s["duration_s"] / steps, 1) if steps else None,
+                      "forward_ms_per_step": (round(1e3 * (after["forward"] - before["forward"]) / steps, 1)
+                                              if steps else None),
                       # CPU seconds per 1,000 output tokens, per process role: the frontend's
                       # cost per token, less at the mercy of this machine's noise than tok/s
                       "cpu_s_per_1k_tokens": {k: round(1e3 * v / s["output_tokens"], 3) for k, v in cpu.items()},

@@ -95,12 +95,9 @@ class TokenIds:
         return [rng.randrange(self.lo, self.hi) for _ in range(n)]
 
 
-class _Joined:
-    """shared-prefix in token ids: prefix + suffix is list concatenation."""
-
-    @staticmethod
-    def join(a, b):
-        return a + b if isinstance(a, list) else a + " " + b
+def _join(head, tail):
+    """A shared prefix and its suffix: list concatenation for token ids, a space between words."""
+    return head + tail if isinstance(head, list) else head + " " + tail
 
 
 def parse_id_range(spec: str) -> tuple[int, int]:
@@ -129,7 +126,7 @@ def build(name: str, num_requests: int, seed: int = 0, input_len: str = "uniform
         w.jobs = [Job([Turn(words.text(rng, inp(rng)), out(rng))]) for _ in range(num_requests)]
     elif name == "shared-prefix":
         heads = [words.text(rng, prefix_len) for _ in range(prefixes)]
-        w.jobs = [Job([Turn(_Joined.join(heads[i % prefixes], words.text(rng, inp(rng))), out(rng))], group=i % prefixes)
+        w.jobs = [Job([Turn(_join(heads[i % prefixes], words.text(rng, inp(rng))), out(rng))], group=i % prefixes)
                   for i in range(num_requests)]
     elif name == "multi-turn":
         sessions = max(num_requests // turns, 1)

@@ -60,8 +60,8 @@ def _engine_priority(worker_id: str) -> None:
     output tok/s at nice 15, 481 at nice 0 (+5 %, about this machine's run-to-run spread).
     Lowering a nice value needs CAP_SYS_NICE; without it, say how to start Ray instead."""
     tid = threading.get_native_id()
+    nice = os.getpriority(os.PRIO_PROCESS, tid)
     try:
-        nice = os.getpriority(os.PRIO_PROCESS, tid)
         if nice > 0:
             os.setpriority(os.PRIO_PROCESS, tid, 0)
     except OSError as e:
