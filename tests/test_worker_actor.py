@@ -370,30 +370,3 @@ def test_router_takes_a_dead_worker_back_once_it_heartbeats_again():
             assert "w" in await router.live_loads(refresh=True)
         asyncio.run(main())
 
-
-def test_the_engine_thread_leaves_rays_nice_15(caplog):
-    """Ray starts workers at nice 15; the step thread raises itself to 0 where it may
-    (CAP_SYS_NICE: root here) and says how to fix it where it may not."""
-    import os
-    import threading
-
-    from folio.worker.actor import _engine_priority
-
-    seen = {}
-    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-    def thread():
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, 15)  # raising one's nice value needs no privilege
-        _engine_priority("wx")
-        seen["nice"] = os.getpriority(os.PRIO_PROCESS, tid)
-
-    with caplog.at_level("WARNING", logger="folio.worker"):
-        t = threading.Thread(target=thread)
-        t.start()
-        t.join()
-    if os.geteuid() == 0:
-        assert seen["nice"] == 0 and not caplog.records
-    else:
-        assert seen["nice"] == 15 and "RAY_worker_niceness=0" in caplog.text
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # per thread: this one unchanged

@@ -50,25 +50,6 @@ MOVE_TIMEOUT_S = 60.0  # an export neither confirmed nor refused by then resumes
 log = logging.getLogger("folio.worker")
 
 
-def _engine_priority(worker_id: str) -> None:
-    """Run this thread (and the OpenMP threads it starts) at nice 0. Ray starts its workers at
-    nice 15 (RAY_worker_niceness), below every process on the machine that is not a Ray
-    worker: on a machine whose cores the forward's threads share with anything (the load
-    client, Redis, the GCS), each time one of them is preempted the other waits for it at the
-    next barrier. Measured with `folio serve` on 2 cores, 64 streams of 50 -> 100 tokens over
-    gRPC, the worker's threads reniced between runs of one server (ABBA, 6 runs each): 456
-    output tok/s at nice 15, 481 at nice 0 (+5 %, about this machine's run-to-run spread).
-    Lowering a nice value needs CAP_SYS_NICE; without it, say how to start Ray instead."""
-    tid = threading.get_native_id()
-    nice = os.getpriority(os.PRIO_PROCESS, tid)
-    try:
-        if nice > 0:
-            os.setpriority(os.PRIO_PROCESS, tid, 0)
-    except OSError as e:
-        log.warning("worker %s: the engine runs at nice %s (%s); start Ray with RAY_worker_niceness=0 in its "
-                    "environment to run it at full priority", worker_id, nice, e.strerror)
-
-
 def _wall_from_mono(t: float) -> float:
     return time.time() - (time.monotonic() - t)
 
@@ -532,7 +513,6 @@ class EngineWorker:
         # forward ran on one core, at half speed, while torch.get_num_threads() said 2.
         import torch
 
-        _engine_priority(self.worker_id)  # before the first forward makes OpenMP's threads: they inherit it
         torch.set_num_threads(torch.get_num_threads())
         self._step_thread = threading.current_thread()
         engine = self.engine

@@ -128,11 +128,6 @@ initContainers:
 # a call in flight on a dead worker fails at once instead of waiting 1-2 s for Ray's death reason
 - name: RAY_timeout_ms_task_wait_for_death_info
   value: "0"
-# Ray starts its workers at nice 15, below every other process on the node; the engine
-# raises its step thread to 0 where it may (worker/actor.py: _engine_priority), and a pod that
-# runs as non-root cannot lower it itself
-- name: RAY_worker_niceness
-  value: "0"
 {{- if .Values.apiKey.enabled }}
 - name: FOLIO_API_KEY
   valueFrom:
