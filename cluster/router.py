@@ -92,7 +92,12 @@ class Router:
         """live_loads() without the copy: the router's own dict, not to be changed."""
         now = time.monotonic()
         if refresh or not self._loads_at:
-            await self._refresh()
+            # one read of Redis for every request that waits on one: 100 requests arriving
+            # before the first figures made 100 reads at once, and on a loaded host those timed
+            # out (0.5 s) and failed their requests with "Redis unreachable"
+            if not self._refresh_in_flight():
+                self._refreshing = asyncio.get_running_loop().create_task(self._refresh())
+            await asyncio.shield(self._refreshing)
         elif now - self._loads_at > self.refresh_s and not self._refresh_in_flight():
             self._refreshing = asyncio.get_running_loop().create_task(self._refresh())
         if not self._dead:

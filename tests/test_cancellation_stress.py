@@ -74,6 +74,7 @@ async def client(router, rid: str, leave_after: int, cancel: bool) -> int:
                 n += 1
                 assert not chunk.finished, f"{rid} finished: {chunk}"
         finally:  # as the frontends do: the stream is closed, not left to the garbage collector
+            enough.set()  # (a read that failed must fail the test, not leave it waiting)
             await stream.aclose()
 
     task = asyncio.ensure_future(read())
@@ -81,7 +82,9 @@ async def client(router, rid: str, leave_after: int, cancel: bool) -> int:
     if cancel:
         await asyncio.sleep(0)  # in the next chunk's wait (or, at 0, in the submit)
         task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+    err = (await asyncio.gather(task, return_exceptions=True))[0]
+    if isinstance(err, BaseException) and not isinstance(err, asyncio.CancelledError):
+        raise err
     return got
 
 

@@ -165,3 +165,28 @@ def test_a_burst_of_concurrent_picks_spreads(policy):
             return await asyncio.gather(*(router.pick(r) for r in reqs))
         picks = asyncio.run(burst())
         assert sorted(picks) == ["a"] * 4 + ["b"] * 4, picks
+
+
+def test_requests_before_the_first_figures_share_one_read_of_redis():
+    """A burst of requests on a router that has no figures yet waits on one read of the
+    cluster state, not one each (100 at once timed out on a loaded host and failed with
+    "Redis unreachable"); every pick gets a live worker."""
+    with EmbeddedRedis() as server:
+        pub = WorkerPublisher(server.url, "first")
+        pub.publish(load("a"), set())
+        pub.publish(load("b"), set())
+        state = ClusterState(server.url, "first")
+        reads = []
+        real = state.alive_loads
+
+        async def counted():
+            reads.append(1)
+            return await real()
+        state.alive_loads = counted
+        router = Router(state, _NoWorkers(), "least-loaded")
+
+        async def burst():
+            reqs = [GenerateRequest(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=1)) for i in range(100)]
+            return await asyncio.gather(*(router.pick(r) for r in reqs))
+        picks = asyncio.run(burst())
+        assert set(picks) == {"a", "b"} and len(reads) == 1, len(reads)
