@@ -30,7 +30,7 @@ from folio.deploy.stream_text import StreamText, worker_params
 from folio.deploy.prompts import Prompts, plain_chat_prompt  # noqa: F401  (plain_chat_prompt: re-exported)
 from folio.worker.errors import InvalidRequestError, OverloadedError
 from folio.worker.messages import GenerateRequest, StreamChunk
-from folio.worker.sampling_params import SamplingParams, check_priority, check_token_ids
+from folio.worker.sampling_params import SamplingParams, check_priority, check_vocab, resolve_bad_words
 
 MAX_BODY_BYTES = 8 * 2**20
 
@@ -131,7 +131,8 @@ class Frontend:
         if params.logprobs is not None and params.logprobs > self.vocab_size:
             raise InvalidRequestError(f"logprobs={params.logprobs} exceeds the vocabulary ({self.vocab_size})",
                                       param="logprobs")
-        check_token_ids(params.stop_token_ids, self.vocab_size, "stop_token_ids", "stop_token_ids")
+        resolve_bad_words(params, self.tokenizer)  # bad_words -> token ids here, so workers need no tokenizer
+        check_vocab(params, self.vocab_size)
         if len(prompts) > self.cfg.max_num_requests:
             raise InvalidRequestError(f"{len(prompts)} prompts in one request exceed the frontend's limit of "
                                       f"{self.cfg.max_num_requests} in flight", param="prompt")

@@ -52,7 +52,13 @@ def sampling_params(s: pb.SamplingParameters) -> SamplingParams:
         seed=s.seed if s.HasField("seed") else None,
         stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
         logprobs=s.logprobs if s.HasField("logprobs") else None,
-        include_stop_str_in_output=s.include_stop_str_in_output, skip_special_tokens=not s.skip_special_tokens_off)
+        include_stop_str_in_output=s.include_stop_str_in_output, skip_special_tokens=not s.skip_special_tokens_off,
+        presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else 0.0,
+        frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else 0.0,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+        logit_bias=dict(s.logit_bias) or None, min_tokens=s.min_tokens if s.HasField("min_tokens") else 0,
+        bad_words=list(s.bad_words), bad_words_token_ids=[list(w.ids) for w in s.bad_words_token_ids],
+        allowed_token_ids=list(s.allowed_token_ids) or None)
 
 
 def _logprobs(entries) -> list:

@@ -33,7 +33,7 @@ from typing import AsyncIterator
 
 from folio.deploy.auth import bearer_ok
 from folio.deploy.frontend import Admission, Frontend
-from folio.deploy.openai_logprobs import Choice, logprobs_chat, logprobs_completion
+from folio.deploy.openai_logprobs import Choice, logprobs_chat, logprobs_completion, prompt_entries
 from folio.deploy.openai_schema import ChatCompletionRequest, CompletionRequest, parse
 from folio.worker.errors import FolioError, InvalidRequestError, OverloadedError, UnavailableError
 from folio.worker.sampling_params import SamplingParams
@@ -125,6 +125,14 @@ class _Run:
         n_prompt = sum(len(p) for p in prompts)
         self.usage = {"prompt_tokens": n_prompt, "completion_tokens": 0, "total_tokens": n_prompt}
         self.echo: list[str] | None = None  # completions' echo: each prompt's text, put before its choices
+        self.prompt_logprobs: dict[int, list] = {}  # echo + logprobs: per prompt, from its first chunk
+
+    def prompt_entries(self, choice: int) -> list[dict]:
+        """Completions' logprobs entries of the echoed prompt of `choice` ([] without echo + logprobs)."""
+        if not self.echo or self.params.prompt_logprobs is None:
+            return []
+        i = choice // self.params.n
+        return prompt_entries(self.prompts[i], self.prompt_logprobs.get(i))
 
     async def events(self) -> AsyncIterator[tuple[int, object]]:
         """(choice index, CompletionDelta) as they come, across all prompts."""
@@ -136,6 +144,8 @@ class _Run:
         async def pump(i, gen):
             try:
                 async for chunk in gen:
+                    if chunk.prompt_logprobs is not None:
+                        self.prompt_logprobs[i] = chunk.prompt_logprobs
                     for d in chunk.deltas:
                         await queue.put((i * n + d.index, d))
             except asyncio.CancelledError:
@@ -153,6 +163,8 @@ class _Run:
                 head = None
             tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens) if i > 0]
             if head is not None:
+                if head.prompt_logprobs is not None:
+                    self.prompt_logprobs[0] = head.prompt_logprobs
                 for d in head.deltas:
                     yield d.index, d
                 tasks.append(asyncio.create_task(pump(0, gens[0])))
@@ -295,8 +307,10 @@ async def _respond(frontend: Frontend, req, run: _Run, chat: bool, model: str):
                 lp = await frontend.prompts.run(logprobs_chat, frontend.tokenizer, c.entries, run.params.logprobs,
                                                 as_ids)
             else:
-                lp = await frontend.prompts.run(logprobs_completion, frontend.tokenizer, c.entries,
-                                                run.params.logprobs, c.spans, as_ids)
+                echoed = run.prompt_entries(i)
+                spans = [(0, len(c.texts[0]), len(echoed))] * bool(echoed) + c.spans
+                lp = await frontend.prompts.run(logprobs_completion, frontend.tokenizer, echoed + c.entries,
+                                                run.params.logprobs, spans, as_ids)
         if chat:
             out.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                         "finish_reason": c.reason})
@@ -324,13 +338,15 @@ async def _sse(events, run, rid, obj, created, model, chat, req, frontend) -> As
                 if d.logprobs and run.params.logprobs is not None:
                     choice["logprobs"] = logprobs_chat(tok, d.logprobs, run.params.logprobs, as_ids)
             else:
+                echoed = run.prompt_entries(i) if i not in lengths else []  # with the echo, its logprobs
                 prefix = run.echo[i // run.params.n] if run.echo and i not in lengths else ""
                 at = lengths.get(i, 0) + len(prefix)
                 lengths[i] = at + len(d.text)
                 choice = {"index": i, "text": prefix + d.text, "logprobs": None, "finish_reason": d.finish_reason}
-                if d.logprobs and run.params.logprobs is not None:
-                    choice["logprobs"] = logprobs_completion(tok, d.logprobs, run.params.logprobs,
-                                                              [(at, len(d.text), len(d.logprobs))], as_ids)
+                if (d.logprobs or echoed) and run.params.logprobs is not None:
+                    spans = [(0, len(prefix), len(echoed))] * bool(echoed) + [(at, len(d.text), len(d.logprobs or []))]
+                    choice["logprobs"] = logprobs_completion(tok, echoed + (d.logprobs or []), run.params.logprobs,
+                                                              spans, as_ids)
             chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
             if req.include_usage:
                 chunk["usage"] = dict(run.usage) if req.continuous_usage else None

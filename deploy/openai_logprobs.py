@@ -35,7 +35,8 @@ def logprobs_completion(tok, entries: list[dict], k: int, spans: list[tuple[int,
         tokens.append(text(chosen))
         lengths.append(len(tokens[-1] if not as_ids else tok.decode([chosen])))
         lps.append(d[chosen])
-        tops.append({text(t): lp for t, lp in _top(d, k)})
+        # an echoed prompt's first token: nothing predicts it (null, as OpenAI and vLLM)
+        tops.append(None if d[chosen] is None else {text(t): lp for t, lp in _top(d, k)})
     at = 0
     for offset, chars, count in spans:
         inner = 0
@@ -57,6 +58,14 @@ def logprobs_chat(tok, entries: list[dict], k: int, as_ids: bool = False) -> dic
         chosen = next(iter(d))
         content.append({**item(chosen, d[chosen]), "top_logprobs": [item(t, lp) for t, lp in _top(d, k)]})
     return {"content": content}
+
+
+def prompt_entries(prompt_ids: list[int], prompt_logprobs: list | None) -> list[dict]:
+    """The engine's prompt logprobs (the first None) as completion entries: {token id: logprob
+    (None for the first), top ids...}."""
+    if prompt_logprobs is None:
+        return []
+    return [{prompt_ids[0]: None}] + list(prompt_logprobs[1:])
 
 
 class Choice:

@@ -8,8 +8,8 @@ bounds are SamplingParams' (worker/sampling_params.py), shared with gRPC and the
 
 Every field is honoured or refused, never ignored. The fields that OpenAI or vLLM define
 and Folio does not implement (yet) are in `UNSUPPORTED`: each is accepted only at its no-op
-value (its default: `logit_bias` {}, `repetition_penalty` 1, `response_format` {"type": "text"},
-`tool_choice` "none", ...) and anything else is a 400 whose `param` names it. Accepted because
+value (its default: `response_format` {"type": "text"}, `tool_choice` "none", `prompt_logprobs`
+null, ...) and anything else is a 400 whose `param` names it. Accepted because
 they change nothing Folio does (`NO_OPS`): `user` (an end-user id for abuse monitoring),
 `metadata` (tags of stored completions; Folio stores none), `parallel_tool_calls` (no tools),
 `include_reasoning` (no reasoning parser), `service_tier` "auto" / "default" (one tier).
@@ -59,13 +59,6 @@ def _text_format(v) -> bool:
 
 # field -> (the test of a value that has no effect, what to say). Both APIs unless marked.
 UNSUPPORTED: dict[str, tuple] = {
-    "logit_bias": (_empty, "logit_bias is not supported"),
-    "presence_penalty": (_none_or(0), "presence_penalty is not supported (other than 0)"),
-    "frequency_penalty": (_none_or(0), "frequency_penalty is not supported (other than 0)"),
-    "repetition_penalty": (_none_or(1), "repetition_penalty is not supported (other than 1)"),
-    "min_tokens": (_none_or(0), "min_tokens is not supported (other than 0)"),
-    "bad_words": (_empty, "bad_words is not supported"),
-    "allowed_token_ids": (_empty, "allowed_token_ids is not supported"),
     "prompt_logprobs": (lambda v: v is None, "prompt_logprobs is not supported"),
     "response_format": (_text_format, 'response_format is not supported (other than {"type": "text"})'),
     "guided_json": (lambda v: v is None, "guided_json is not supported"),
@@ -159,6 +152,13 @@ class _Sampling(_Refusing):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     priority: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's (HF's): 1 = off
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token ids as strings -> [-100, 100]
+    min_tokens: int | None = None  # vLLM's
+    bad_words: list[str] | None = None  # vLLM's
+    allowed_token_ids: list[int] | None = None  # vLLM's
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep the prompt's last k tokens (vLLM)
     return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:<id>" (vLLM)
     request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)  # the response's id
@@ -175,6 +175,9 @@ class _Sampling(_Refusing):
     def _logprobs(self) -> int | None:
         return None
 
+    def _prompt_logprobs(self) -> int | None:
+        return None
+
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         self.refuse_unsupported()
         n = 1 if self.n is None else self.n
@@ -189,7 +192,11 @@ class _Sampling(_Refusing):
             top_k=v(self.top_k, 0), min_p=v(self.min_p, 0.0), seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids or [], ignore_eos=bool(self.ignore_eos),
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
-            skip_special_tokens=v(self.skip_special_tokens, True), logprobs=self._logprobs())
+            skip_special_tokens=v(self.skip_special_tokens, True), logprobs=self._logprobs(),
+            presence_penalty=v(self.presence_penalty, 0.0), frequency_penalty=v(self.frequency_penalty, 0.0),
+            repetition_penalty=v(self.repetition_penalty, 1.0), logit_bias=_logit_bias(self.logit_bias),
+            min_tokens=v(self.min_tokens, 0), bad_words=self.bad_words or [],
+            allowed_token_ids=self.allowed_token_ids, prompt_logprobs=self._prompt_logprobs())
 
     @property
     def include_usage(self) -> bool:
@@ -205,6 +212,19 @@ class _Sampling(_Refusing):
         return ids if k is None or len(ids) <= k else ids[-k:]
 
 
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (JSON keys are strings) as {token id: bias}; a key that is not a
+    token id is a 400."""
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for k, b in bias.items():
+        if not (k.isascii() and k.isdigit()) or len(k) > 10:
+            raise InvalidRequestError(f"logit_bias keys must be token ids, got {k!r}", param="logit_bias")
+        out[int(k)] = b
+    return out
+
+
 class CompletionRequest(_Sampling):
     # a string, token ids, or a list of either (one choice group per prompt)
     prompt: Union[str, Ids, list[str], list[Ids]]
@@ -217,10 +237,8 @@ class CompletionRequest(_Sampling):
     def _logprobs(self) -> int | None:
         return self.logprobs
 
-    def refuse_unsupported(self) -> None:
-        super().refuse_unsupported()
-        if self.echo and self.logprobs is not None:
-            raise InvalidRequestError("echo with logprobs (the prompt's logprobs) is not supported", param="echo")
+    def _prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None  # echo + logprobs: the prompt's tokens too
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

@@ -39,7 +39,7 @@ class StreamText:
         if ts is None:
             p = self.params
             ts = self.texts[index] = TextStream(self.tokenizer, self.prompt_ids, p.stop, p.include_stop_str_in_output,
-                                                p.skip_special_tokens)
+                                                p.skip_special_tokens, p.min_tokens)
         return ts
 
     def apply(self, chunk: StreamChunk) -> StreamChunk:

@@ -60,13 +60,13 @@ class Faults:
             raise Poison(f"{site} poisoned for {rid}")
 
     def sample(self, real):
-        def sample(logits, params, generators):
+        def sample(logits, params, generators, *context):
             for p in params:
                 rid = self.by_params.get(id(p))
                 if rid is not None:
                     self._check(rid, "sample", max(s.num_output_tokens for s in self.engine.groups[rid].seqs))
             try:
-                return real(logits, params, generators)
+                return real(logits, params, generators, *context)
             except Exception:
                 for p in params:  # the real sampler's own fault (params poisoned after construction)
                     rid = self.by_params.get(id(p))

@@ -150,13 +150,72 @@ def test_http_client_that_disconnects_aborts_its_request(server):
     (dict(prompt="hi", n=0), "n must be"),
     (dict(prompt="hi", stop=[""]), "stop must be"),
     (dict(prompt="hi", extra_body={"top_k": 1.5}), "top_k"),
-    (dict(prompt="hi", presence_penalty=0.5), "presence_penalty is not supported"),
+    (dict(prompt="hi", presence_penalty=2.5), "presence_penalty must be in [-2, 2]"),
+    (dict(prompt="hi", frequency_penalty=-9), "frequency_penalty must be in"),
+    (dict(prompt="hi", extra_body={"repetition_penalty": 0}), "repetition_penalty must be in (0, 100]"),
+    (dict(prompt="hi", logit_bias={"x1": 2}), "logit_bias keys must be token ids"),
+    (dict(prompt="hi", logit_bias={"5": 200}), "logit_bias values must be numbers in [-100, 100]"),
+    (dict(prompt="hi", logit_bias={"1024": 1}), "logit_bias keys must be integers in [0, 1024)"),
+    (dict(prompt="hi", extra_body={"min_tokens": 9}), "min_tokens must be an integer in [0, max_tokens=4]"),
+    (dict(prompt="hi", extra_body={"allowed_token_ids": []}), "allowed_token_ids must be a non-empty list"),
+    (dict(prompt="hi", extra_body={"allowed_token_ids": [5, 5000]}), "allowed_token_ids must be integers in"),
+    (dict(prompt="hi", extra_body={"bad_words": [" "]}), "bad_words must be at most"),
 ])
 def test_bad_http_input_is_400_in_openai_shape(server, client, kwargs, fragment):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", **{"max_tokens": 4, **kwargs})
     assert e.value.status_code == 400 and fragment in e.value.body["message"]
     assert e.value.body["type"] == "invalid_request_error"
+
+
+def _processing_cases(base: list[int]) -> list[dict]:
+    """Logits-processing fields made from a prompt's plain greedy tokens, so each changes the output."""
+    return [dict(repetition_penalty=1.6, frequency_penalty=0.7, presence_penalty=0.4,
+                 logit_bias={base[0]: -100.0, (base[3] + 1) % 1024: 6.0}),
+            dict(min_tokens=7, stop_token_ids=[base[2]], allowed_token_ids=sorted({*base[:2], *range(100, 300)}))]
+
+
+def test_logits_processing_over_http_and_grpc_equals_offline(server, client, stub):
+    """Penalties, logit_bias, min_tokens, allowed_token_ids and bad words (strings, tokenized
+    at the frontend) give the offline engine's greedy output through both APIs."""
+    plain = offline(server["model"], PROMPTS[:3], max_tokens=12, temperature=0.0, ignore_eos=True)
+    for prompt, base in zip(PROMPTS[:3], plain):
+        tok = LLM_TOKENIZER(server)
+        words = [w for w in (tok.decode([t]).strip() for t in base.token_ids) if w and "\ufffd" not in w
+                 and any(tok.encode(x, add_special_tokens=False) in [[t] for t in base.token_ids]
+                         for x in (w, " " + w))][:2]  # words the output has as one token
+        for kw in _processing_cases(base.token_ids) + [dict(bad_words=words)] * bool(words):
+            want = offline(server["model"], [prompt], max_tokens=12, temperature=0.0, **kw)[0]
+            assert want.token_ids != base.token_ids, f"{kw} changed nothing: the case tests nothing"
+            http_kw = dict(kw)
+            if "logit_bias" in http_kw:
+                http_kw["logit_bias"] = {str(k): v for k, v in http_kw["logit_bias"].items()}
+            named = {k: http_kw.pop(k) for k in ("presence_penalty", "frequency_penalty", "logit_bias") if k in http_kw}
+            got = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, **named,
+                                            extra_body=http_kw)
+            assert got.choices[0].text == want.text and got.usage.completion_tokens == len(want.token_ids), kw
+            g = {k: v for k, v in kw.items() if k != "logit_bias"}
+            r = pb.GenerateRequest(sampling=pb.SamplingParameters(max_tokens=12, temperature=0, **g,
+                                                                  logit_bias=kw.get("logit_bias", {})))
+            r.text = prompt
+            assert list(stub.Generate(r, metadata=AUTH).completions[0].token_ids) == want.token_ids, kw
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(req("hi", max_tokens=4, repetition_penalty=-1.0), metadata=AUTH)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "repetition_penalty" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(req("hi", max_tokens=4, logit_bias={4096: 1.0}), metadata=AUTH)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logit_bias" in e.value.details()
+    wait_idle(server)
+
+
+_tokenizers: dict = {}
+
+
+def LLM_TOKENIZER(server):
+    from transformers import AutoTokenizer
+    if server["model"] not in _tokenizers:
+        _tokenizers[server["model"]] = AutoTokenizer.from_pretrained(server["model"])
+    return _tokenizers[server["model"]]
 
 
 def test_models_and_health(server, client):

@@ -64,7 +64,13 @@ SAMPLING = {  # valid values (so requests run and reach the engine)
     "priority": st.integers(-(2**31), 2**31 - 1),
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
-    "presence_penalty": st.just(0),
+    "presence_penalty": st.floats(-2.5, 2.5),
+    "frequency_penalty": st.floats(-2.5, 2.5),
+    "repetition_penalty": st.one_of(st.floats(0.0, 3.0), st.just(100.0)),
+    "logit_bias": st.dictionaries(st.one_of(st.integers(0, 1100).map(str), text), st.floats(-150, 150), max_size=4),
+    "min_tokens": st.integers(0, 4),
+    "bad_words": st.lists(text, max_size=3),
+    "allowed_token_ids": st.lists(st.integers(0, 1100), max_size=4),
     "model": st.just("tiny"),
 }
 COMPLETION = {**SAMPLING, "logprobs": st.integers(0, 20), "echo": st.just(False), "best_of": st.just(1)}
@@ -76,7 +82,8 @@ CHAT = {**SAMPLING, "logprobs": st.booleans(), "top_logprobs": st.integers(0, 20
 
 
 NUMERIC = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed",
-           "stop_token_ids", "priority", "logprobs", "top_logprobs", "prompt"}
+           "stop_token_ids", "priority", "logprobs", "top_logprobs", "prompt", "presence_penalty",
+           "frequency_penalty", "repetition_penalty", "min_tokens", "allowed_token_ids"}
 
 
 def bodies(required: dict, optional: dict):

@@ -227,21 +227,15 @@ def schema_noop(path, name, value) -> bool:
 
 
 @pytest.mark.parametrize("path, body, param", [
-    ("/v1/completions", {"logit_bias": {"15": -100}}, "logit_bias"),
     ("/v1/completions", {"suffix": "end"}, "suffix"),
-    ("/v1/completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
-    ("/v1/completions", {"echo": True, "logprobs": 1}, "echo"),
     ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
     ("/v1/completions", {"guided_choice": ["a", "b"]}, "guided_choice"),
-    ("/v1/completions", {"min_tokens": 2}, "min_tokens"),
     ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
     ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
-    ("/v1/chat/completions", {"bad_words": ["x"]}, "bad_words"),
-    ("/v1/chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
     ("/v1/chat/completions", {"store": True}, "store"),
     ("/v1/chat/completions", {"service_tier": "flex"}, "service_tier"),
 ])
@@ -379,6 +373,37 @@ def test_echo_puts_the_prompt_before_the_text(folio_server, tokenizer):
                                                                     "stream": True})
     chunks = [json.loads(l[6:]) for l in raw.decode().split("\n\n") if l.startswith("data: {")]
     assert "".join(c["choices"][0]["text"] for c in chunks) == "x = 1" + plain[0]["text"]
+
+
+def test_echo_with_logprobs_gives_the_prompts_logprobs_as_hf(folio_server, tokenizer):
+    """What lm-eval's loglikelihood sends (`local-completions`): token-id prompts, echo,
+    logprobs 1, max_tokens 1; each prompt token's logprob is transformers' (the first: null)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(folio_server["model"], dtype=torch.float32).eval()
+    prompts = [tokenizer(t).input_ids for t in ("def hello(world):\n    return world", "import os\nimport sys\n")]
+    body = {"prompt": prompts, "max_tokens": 1, "temperature": 0, "logprobs": 2, "echo": True}
+    out = post(folio_server, "/v1/completions", body)[1]["choices"]
+    status, _, raw = call(folio_server, "POST", "/v1/completions", {**body, "stream": True})
+    chunks = [json.loads(l[6:]) for l in raw.decode().split("\n\n") if l.startswith("data: {")]
+    for ids, c in zip(prompts, out):
+        lp = c["logprobs"]
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+        assert len(lp["tokens"]) == len(ids) + 1 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["tokens"][:len(ids)] == [tokenizer.decode([t]) for t in ids]
+        for j in range(1, len(ids)):
+            assert abs(lp["token_logprobs"][j] - float(ref[j - 1, ids[j]])) < 1e-4, j
+            top = ref[j - 1].topk(2)
+            assert {tokenizer.decode([t]) for t in top.indices.tolist()} <= set(lp["top_logprobs"][j])
+        # the generated token: the greedy one, its logprob the last position's
+        assert lp["tokens"][-1] == tokenizer.decode([int(ref[-1].argmax())])
+        assert abs(lp["token_logprobs"][-1] - float(ref[-1].max())) < 1e-4
+        _check_offsets(c["text"], lp)
+        # streamed: the same entries, the prompt's in the choice's first chunk
+        mine = [ch["choices"][0] for ch in chunks if ch["choices"][0]["index"] == c["index"]]
+        assert mine[0]["logprobs"]["token_logprobs"][:len(ids)] == lp["token_logprobs"][:len(ids)]
+        assert [t for m in mine for t in (m["logprobs"] or {"tokens": []})["tokens"]] == lp["tokens"]
 
 
 # ---- metrics ---------------------------------------------------------------------------------

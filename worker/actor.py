@@ -555,7 +555,7 @@ class EngineWorker:
                                                                             for c in out.outputs):
             queue_s = m.first_scheduled_time - m.arrival_time  # the request's first chunk
         self._put(out.request_id, StreamChunk(out.request_id, self.worker_id, deltas, out.finished, None, npre,
-                                              queue_s))
+                                              queue_s, out.prompt_logprobs))
 
     def _fail(self, tb: str) -> None:
         """The engine raised inside a step: its state cannot be trusted. Every request fails

@@ -96,6 +96,11 @@ class PagedKVManager:
             return [], 0
         B = self.block_size
         max_blocks = (seq.num_tokens - 1) // B
+        # a request that wants its prompt's logprobs computes every position it has none for yet
+        # (position j gives token j + 1's): cached blocks may only cover those it has
+        done = seq.group.prompt_logprobs_done
+        if done < len(seq.group.prompt_token_ids):
+            max_blocks = min(max_blocks, (done - 1) // B)
         self._ensure_hashes(seq, max_blocks)
         hits: list[int] = []
         for j in range(max_blocks):

@@ -65,8 +65,9 @@ class Detokenizer:
         new = self._step(stream, token_id)
         if not new:
             return None
-        seq.output_text, stop = match_stop(seq.output_text, new, seq.params.stop,
-                                           seq.params.include_stop_str_in_output)
+        p = seq.params  # stop strings are looked for once past min_tokens (vLLM's rule)
+        stops = p.stop if seq.num_output_tokens > p.min_tokens else ()
+        seq.output_text, stop = match_stop(seq.output_text, new, stops, p.include_stop_str_in_output)
         return stop
 
 
@@ -94,13 +95,14 @@ class TextStream:
     """One completion's text in a serving frontend, from the token ids its worker streams:
     the engine's rules above, and the delta to send at each chunk."""
 
-    __slots__ = ("_backend", "_decoder", "_stops", "_include", "text", "sent", "stop")
+    __slots__ = ("_backend", "_decoder", "_stops", "_include", "_min_tokens", "_count", "text", "sent", "stop")
 
     def __init__(self, tokenizer, prompt_ids: list[int], stops=(), include_stop: bool = False,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, min_tokens: int = 0) -> None:
         self._backend = tokenizer.backend_tokenizer
         self._decoder = DecodeStream(ids=list(prompt_ids[-_PROMPT_CONTEXT:]), skip_special_tokens=skip_special_tokens)
         self._stops, self._include = tuple(stops), include_stop
+        self._min_tokens, self._count = min_tokens, 0  # stop strings are looked for past min_tokens
         self.text = ""
         self.sent = 0  # characters of `text` already handed out
         self.stop: str | None = None  # the stop string that ended it
@@ -111,8 +113,10 @@ class TextStream:
             new = self._decoder.step(self._backend, token_id) or ""
         except Exception:  # noqa: BLE001 - an id the tokenizer cannot decode adds no text
             new = ""
+        self._count += 1
         if new:
-            self.text, self.stop = match_stop(self.text, new, self._stops, self._include)
+            stops = self._stops if self._count > self._min_tokens else ()
+            self.text, self.stop = match_stop(self.text, new, stops, self._include)
         return self.stop is not None
 
     def delta(self, finished: bool) -> str:

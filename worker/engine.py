@@ -25,7 +25,7 @@ from folio.worker.migration import RequestState, export_request, import_request
 from folio.worker.preemption import PreemptionRates
 from folio.worker import fault_isolation
 from folio.worker.sampler import sample
-from folio.worker.sampling_params import SamplingParams, check_priority
+from folio.worker.sampling_params import SamplingParams, check_priority, check_vocab, resolve_bad_words
 from folio.worker.scheduler import Scheduler
 from folio.worker.sizing import size_engine
 from folio.worker.sequence import CompletionOutput, RequestOutput, Sequence, SequenceGroup, SequenceStatus
@@ -102,6 +102,8 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if params.n > self.config.max_num_seqs:
             raise InvalidRequestError(f"n={params.n} completions exceed max_num_seqs={self.config.max_num_seqs}")
+        resolve_bad_words(params, self.tokenizer)  # bad_words -> token ids (in place, as vLLM does)
+        check_vocab(params, self.model_config.vocab_size)
         text, token_ids = self._tokenize(prompt)
         n_prompt = len(token_ids)
         if n_prompt >= self.max_model_len:

@@ -129,7 +129,8 @@ def sample(engine, sample_fn, seqs: list[Sequence], logits: torch.Tensor, blamed
     saved = [(s.generator, s.generator.get_state()) for s in seqs
              if s.generator is not None and s.params.seed is not None]
     try:
-        return seqs, sample_fn(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        return seqs, sample_fn(logits, [s.params for s in seqs], [s.generator for s in seqs], seqs,
+                               engine.eos_token_ids)
     except Exception as e:
         first = e
     for g, state in saved:
@@ -142,7 +143,8 @@ def sample(engine, sample_fn, seqs: list[Sequence], logits: torch.Tensor, blamed
         idx = torch.tensor([r for r, _ in rows], dtype=torch.long, device=logits.device)
         group = [s for _, s in rows]
         try:
-            result = sample_fn(logits.index_select(0, idx), [s.params for s in group], [s.generator for s in group])
+            result = sample_fn(logits.index_select(0, idx), [s.params for s in group], [s.generator for s in group],
+                               group, engine.eos_token_ids)
         except Exception as e:
             blamed[group[0].group.request_id] = describe(e)
             continue

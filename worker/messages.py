@@ -39,6 +39,7 @@ class StreamChunk:
     migrated_to: str | None = None  # the stream continues on this worker (attach there)
     num_preemptions: int = 0
     queue_s: float | None = None  # arrival to first scheduled, on the request's first chunk with tokens
+    prompt_logprobs: list | None = None  # per prompt token (the first None), once, on the first chunk with tokens
 
 
 def merge_chunks(a: StreamChunk, b: StreamChunk) -> StreamChunk:
@@ -54,7 +55,8 @@ def merge_chunks(a: StreamChunk, b: StreamChunk) -> StreamChunk:
         deltas[d.index] = CompletionDelta(d.index, p.token_ids + d.token_ids, p.text + d.text, d.num_tokens,
                                           d.finish_reason, logprobs)
     return StreamChunk(b.request_id, b.worker_id, list(deltas.values()), b.finished, b.migrated_to,
-                       b.num_preemptions, a.queue_s if a.queue_s is not None else b.queue_s)
+                       b.num_preemptions, a.queue_s if a.queue_s is not None else b.queue_s,
+                       a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs)
 
 
 @dataclass

@@ -47,6 +47,8 @@ class RequestState:
     output_kind: str
     block_size: int
     seqs: list[SequenceState] = field(default_factory=list)
+    prompt_logprobs: list | None = None  # those computed so far (SequenceGroup.prompt_logprobs)
+    prompt_logprobs_sent: bool = False
 
     @property
     def kv_bytes(self) -> int:
@@ -75,7 +77,9 @@ def export_request(engine, request_id: str) -> RequestState:
             seq.generator.get_state() if seq.generator is not None else None, seq._sent_tokens,
             seq._sent_text_len, data))
     state = RequestState(request_id, group.prompt, list(group.prompt_token_ids), group.params, group.priority,
-                         group.arrival_time, group.forked, engine._output_kind.get(request_id, "final"), B, seqs)
+                         group.arrival_time, group.forked, engine._output_kind.get(request_id, "final"), B, seqs,
+                         list(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
+                         group.prompt_logprobs_sent)
     for seq in group.seqs:
         if not seq.is_finished:
             engine.scheduler.finish(seq, "migrated")
@@ -106,6 +110,8 @@ def import_request(engine, state: RequestState) -> str:
                                       f"in blocks of {state.block_size}")
     group = SequenceGroup(rid, state.prompt_token_ids, state.params, state.arrival_time, state.priority, state.prompt)
     group.forked = state.forked
+    if state.prompt_logprobs is not None:
+        group.prompt_logprobs, group.prompt_logprobs_sent = list(state.prompt_logprobs), state.prompt_logprobs_sent
     group.seqs = []
     for s in state.seqs:
         seq = Sequence(group, s.index, s.token_ids)

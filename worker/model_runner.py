@@ -13,7 +13,7 @@ A sequence whose tokens are then all computed is sampled from its last row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,8 @@ class ModelInputs:
     meta: AttentionMetadata
     sample_rows: list[int]  # rows of the hidden states to sample from
     sample_seqs: list[Sequence]  # the sequence of each of those rows
+    # prompt logprobs to compute: (request, index of the first prompt token, rows predicting them)
+    prompt_rows: list = field(default_factory=list)
 
 
 class ModelRunner:
@@ -103,6 +105,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
+        prompt_rows: list = []
         for seq, n in scheduled:
             start = seq.num_computed_tokens
             end = start + n
@@ -121,6 +124,11 @@ class ModelRunner:
             if end == seq.num_tokens:
                 sample_rows.append(qsl[-1] - 1)
                 sample_seqs.append(seq)
+            group = seq.group
+            if group.prompt_logprobs is not None:  # position j's logits give prompt token j + 1's logprob
+                lo, hi = max(start, group.prompt_logprobs_done - 1), min(end, len(group.prompt_token_ids) - 1)
+                if lo < hi:
+                    prompt_rows.append((group, lo + 1, range(qsl[-2] + lo - start, qsl[-2] + hi - start)))
         width = max(len(t) for t in tables)
         dev = self.device
         meta = AttentionMetadata(
@@ -132,12 +140,45 @@ class ModelRunner:
         meta.plan = self.model.ops.plan_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc, B,
                                            kernels.kv_bytes_per_token(self.kv_caches[0][0]))
         return ModelInputs(torch.tensor(ids, dtype=torch.long, device=dev),
-                           torch.tensor(pos, dtype=torch.long, device=dev), meta, sample_rows, sample_seqs)
+                           torch.tensor(pos, dtype=torch.long, device=dev), meta, sample_rows, sample_seqs,
+                           prompt_rows)
 
     def execute(self, inputs: ModelInputs) -> torch.Tensor | None:
         """Run the model; logits [len(sample_rows), vocab] in float32, or None if nothing samples."""
         hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+        if inputs.prompt_rows:
+            self._prompt_logprobs(hidden, inputs.prompt_rows)
         if not inputs.sample_rows:
             return None
         idx = torch.tensor(inputs.sample_rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, idx)).float()
+
+    PROMPT_LOGITS_ROWS = 256  # prompt positions per LM-head call (bounds the [rows, vocab] logits)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, prompt_rows: list) -> None:
+        """Each requested prompt token's logprob and the top-k, appended to its request's list
+        (only positions it has none for yet: a forward run again after a fault or a recompute
+        adds nothing twice)."""
+        computed = []
+        for group, first, rows in prompt_rows:
+            k = group.params.prompt_logprobs
+            targets = group.prompt_token_ids[first : first + len(rows)]
+            out: list[dict[int, float]] = []
+            for a in range(0, len(rows), self.PROMPT_LOGITS_ROWS):
+                idx = torch.tensor(rows[a : a + self.PROMPT_LOGITS_ROWS], dtype=torch.long, device=self.device)
+                lp = torch.log_softmax(self.model.compute_logits(hidden.index_select(0, idx)).float(), dim=-1)
+                tgt = torch.tensor(targets[a : a + len(idx)], dtype=torch.long, device=self.device)
+                chosen = lp.gather(1, tgt[:, None])[:, 0].tolist()
+                top = lp.topk(k, dim=-1) if k else None
+                for r, (t, c) in enumerate(zip(targets[a : a + len(idx)], chosen)):
+                    d = {t: c}
+                    if top is not None:
+                        for v, i in zip(top.values[r].tolist(), top.indices[r].tolist()):
+                            d.setdefault(i, v)
+                    out.append(d)
+            computed.append((group, first, out))
+        for group, first, out in computed:  # kept only once every row is computed
+            have = len(group.prompt_logprobs)
+            if first <= have:
+                group.prompt_logprobs.extend(out[have - first:])
+

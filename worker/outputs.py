@@ -31,5 +31,10 @@ def make_request_output(group: SequenceGroup, kind: str) -> RequestOutput | None
         else:
             ids, text, lps = seq.output_token_ids, seq.output_text, seq.logprobs
         completions.append(CompletionOutput(seq.index, ids, text, seq.finish_reason, seq.stop_reason, lps))
+    pl = None
+    if group.prompt_logprobs is not None and group.prompt_logprobs_done == len(group.prompt_token_ids):
+        if kind != "delta" or not group.prompt_logprobs_sent:  # a stream gets them once, first
+            pl = group.prompt_logprobs
+            group.prompt_logprobs_sent = kind == "delta" or group.prompt_logprobs_sent
     return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, finished,
-                         group.metrics)
+                         group.metrics, prompt_logprobs=pl)

@@ -11,10 +11,22 @@ can make an engine step raise. The bounds (also in the README's "Bad input" sect
     top_k             -1 or 0 (off) or an integer in [1, MAX_TOP_K]; above the vocabulary it keeps all
     seed              None or an integer in [0, 2**64); completion i of n draws with (seed + i) mod 2**64
     logprobs          None or an integer in [0, MAX_LOGPROBS]
+    prompt_logprobs   None or an integer in [0, MAX_LOGPROBS] (each prompt token's logprob and the top-k)
     stop              at most MAX_STOP non-empty strings of at most MAX_STOP_CHARS characters
     stop_token_ids    at most MAX_STOP non-negative integers below MAX_TOKEN_ID (the frontends and the
                       engine check them against the vocabulary)
+    presence_penalty, frequency_penalty   finite, in [-2, 2] (OpenAI's range)
+    repetition_penalty    finite, in (0, MAX_REPETITION_PENALTY]; 1 = off
+    logit_bias        at most MAX_LOGIT_BIAS {token id: bias} with a finite bias in [-100, 100]
+    min_tokens        integer in [0, max_tokens]
+    bad_words         at most MAX_BAD_WORDS non-empty strings of at most MAX_STOP_CHARS characters
+                      (made token ids by `resolve_bad_words` with the tokenizer, as vLLM does)
+    bad_words_token_ids   at most 2 * MAX_BAD_WORDS non-empty lists of at most MAX_BAD_WORD_TOKENS ids
+    allowed_token_ids None or a non-empty list of at most MAX_ALLOWED_TOKENS ids
     priority          (not a sampling field, same checks) an integer in [PRIORITY_MIN, PRIORITY_MAX]
+
+Token ids (stop_token_ids, logit_bias keys, allowed_token_ids, bad words) are checked against the
+vocabulary where it is known: `check_vocab`, at the frontends and in the engine.
 """
 
 from __future__ import annotations
@@ -34,6 +46,13 @@ MAX_STOP = 64
 MAX_STOP_CHARS = 1024
 MAX_TOKEN_ID = 2**31 - 1
 PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
+MAX_PENALTY = 2.0  # presence / frequency: OpenAI's [-2, 2]
+MAX_REPETITION_PENALTY = 100.0
+MAX_BIAS = 100.0  # OpenAI: logit_bias values in [-100, 100]
+MAX_LOGIT_BIAS = 4096
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_TOKENS = 64
+MAX_ALLOWED_TOKENS = 2**20
 
 
 def _is_int(x) -> bool:
@@ -73,8 +92,19 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None = off; k in [0, MAX_LOGPROBS]: chosen token's logprob plus top-k
+    prompt_logprobs: int | None = None  # None = off; k: each prompt token's logprob plus the top-k (vLLM's)
     skip_special_tokens: bool = True
     detokenize: bool = True
+    # logits processing (sampler.process_logits), in vLLM's order: allowed_token_ids, bad words,
+    # logit_bias, min_tokens, then the penalties; logprobs stay those of the raw logits (vLLM's default)
+    presence_penalty: float = 0.0  # minus this from a token's logit once it is in the output
+    frequency_penalty: float = 0.0  # minus this times its count in the output
+    repetition_penalty: float = 1.0  # a logit of a token in the prompt or output: / p if > 0, else * p (HF)
+    logit_bias: dict[int, float] | None = None  # added to the logits
+    min_tokens: int = 0  # EOS and stop_token_ids masked, stop strings not looked for, before this many
+    bad_words: list[str] = field(default_factory=list)  # never completed (token ids: resolve_bad_words)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # a sequence never emitted whole
+    allowed_token_ids: list[int] | None = None  # only these can be sampled
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -85,6 +115,19 @@ class SamplingParams:
             raise InvalidRequestError("stop_token_ids must be a list of integers", param="stop_token_ids")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("bad_words", "bad_words_token_ids", "allowed_token_ids"):
+            v = getattr(self, name)
+            if not isinstance(v, (list, tuple, type(None))):
+                raise InvalidRequestError(f"{name} must be a list", param=name)
+        if not isinstance(self.logit_bias, (dict, type(None))):
+            raise InvalidRequestError("logit_bias must be a map of token ids to biases", param="logit_bias")
+        self.bad_words = list(self.bad_words or [])
+        self.bad_words_token_ids = [list(w) if isinstance(w, (list, tuple)) else w
+                                    for w in self.bad_words_token_ids or []]
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias)
         if self.top_k == -1:
             self.top_k = 0
         self._check()
@@ -117,9 +160,41 @@ class SamplingParams:
             bad(f"stop_token_ids must be at most {MAX_STOP} non-negative integers")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            bad(f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 bad(f"{name} must be a boolean")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+                bad(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v!r}")
+        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            bad(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty!r}")
+        if self.logit_bias is not None:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                bad(f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+            for t, b in self.logit_bias.items():
+                if not _is_int(t) or not 0 <= t < MAX_TOKEN_ID:
+                    bad(f"logit_bias keys must be token ids (non-negative integers), got {t!r}")
+                if not _is_real(b) or not -MAX_BIAS <= b <= MAX_BIAS:
+                    bad(f"logit_bias values must be numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {b!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        if len(self.bad_words) > MAX_BAD_WORDS or any(not isinstance(w, str) or not w.strip()
+                                                      or len(w) > MAX_STOP_CHARS for w in self.bad_words):
+            bad(f"bad_words must be at most {MAX_BAD_WORDS} non-blank strings of at most {MAX_STOP_CHARS} "
+                f"characters")
+        if len(self.bad_words_token_ids) > 2 * MAX_BAD_WORDS or any(
+                not isinstance(w, list) or not 1 <= len(w) <= MAX_BAD_WORD_TOKENS
+                or any(not _is_int(t) or not 0 <= t < MAX_TOKEN_ID for t in w) for w in self.bad_words_token_ids):
+            bad(f"bad_words_token_ids must be at most {2 * MAX_BAD_WORDS} non-empty lists of at most "
+                f"{MAX_BAD_WORD_TOKENS} token ids")
+        if self.allowed_token_ids is not None and (
+                not 1 <= len(self.allowed_token_ids) <= MAX_ALLOWED_TOKENS
+                or any(not _is_int(t) or not 0 <= t < MAX_TOKEN_ID for t in self.allowed_token_ids)):
+            bad(f"allowed_token_ids must be a non-empty list of at most {MAX_ALLOWED_TOKENS} token ids")
 
     def completion_seed(self, index: int) -> int | None:
         """The seed of completion `index` of n: wraps modulo 2**64, so any valid seed works with any n."""
@@ -128,3 +203,51 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the sampler changes this request's logits before it samples (sampler.process_logits)."""
+        return (self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or bool(self.bad_words_token_ids)
+                or self.allowed_token_ids is not None)
+
+
+def check_vocab(params: SamplingParams, vocab_size: int) -> None:
+    """Every token id a request names is one the model has: [0, vocab_size)."""
+    check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids", "stop_token_ids")
+    if params.logit_bias:
+        check_token_ids(list(params.logit_bias), vocab_size, "logit_bias keys", "logit_bias")
+    if params.allowed_token_ids is not None:
+        check_token_ids(params.allowed_token_ids, vocab_size, "allowed_token_ids", "allowed_token_ids")
+    for w in params.bad_words_token_ids:
+        check_token_ids(w, vocab_size, "bad_words token ids", "bad_words")
+
+
+def resolve_bad_words(params: SamplingParams, tokenizer) -> SamplingParams:
+    """`bad_words` made token id sequences, moved into `bad_words_token_ids` (in place, so a request
+    resolved at its frontend is not resolved again on its worker).
+
+    As vLLM's `update_from_tokenizer`: each word is encoded as is (at the start of a text) and with
+    a leading space (inside a text), the second kept when it is a different word token of the same
+    length. Without a tokenizer, bad words (strings) cannot be honoured: a 400."""
+    if not params.bad_words:
+        return params
+    if tokenizer is None:
+        raise InvalidRequestError("bad_words needs the model's tokenizer (give bad_words_token_ids instead)",
+                                  param="bad_words")
+    out: list[list[int]] = []
+    for word in params.bad_words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if plain:
+            out.append(list(plain))
+        if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+            out.append(list(spaced))
+    if any(len(w) > MAX_BAD_WORD_TOKENS for w in out):
+        raise InvalidRequestError(f"a bad word is more than {MAX_BAD_WORD_TOKENS} tokens long", param="bad_words")
+    params.bad_words_token_ids = list(params.bad_words_token_ids) + out
+    params.bad_words = []
+    return params

@@ -109,6 +109,17 @@ class SequenceGroup:
         self.forked = params.n == 1  # children are created when the prompt's prefill completes
         self.seqs[0].generator = self.make_generator(0)
         self.metrics = RequestMetrics(arrival_time=arrival_time)
+        # prompt_logprobs: entry k for prompt token k (None for the first: nothing predicts it),
+        # filled as the prefill computes them (model_runner.py); reported once complete
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
+        self.prompt_logprobs_sent = False
+
+    @property
+    def prompt_logprobs_done(self) -> int:
+        """Prompt tokens whose logprobs are known (all of them when none were asked for)."""
+        pl = self.prompt_logprobs
+        return len(self.prompt_token_ids) if pl is None else len(pl)
 
     def make_generator(self, index: int) -> torch.Generator | None:
         if self.params.greedy:
@@ -156,6 +167,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None  # the engine failed this request (finish_reason "error"): why
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token (the first: None)
 
     # Shortcuts to the first completion, as in DESIGN.md: outs[i].token_ids / .text / .finish_reason
     @property
