@@ -62,10 +62,13 @@ metric_list:
 
 
 def setup() -> None:
-    if not os.path.exists(os.path.join(LMEVAL_VENV, "bin", "lm_eval")):
+    if not os.path.exists(os.path.join(LMEVAL_VENV, "bin", "pip")):
         subprocess.check_call([sys.executable, "-m", "venv", LMEVAL_VENV])
-        # torch pinned to the local CPU wheel: lm-eval depends on torch, and an unpinned one is a CUDA build
-        subprocess.check_call([os.path.join(LMEVAL_VENV, "bin", "pip"), "install", "-q", LMEVAL, "torch==2.13.0"])
+    # torch pinned to the local CPU wheel: lm-eval depends on torch, and an unpinned one is a CUDA build;
+    # transformers (for its tokenizer backend, not a dependency of lm-eval[api]) at the checkout's version
+    import transformers
+    subprocess.check_call([os.path.join(LMEVAL_VENV, "bin", "pip"), "install", "-q", LMEVAL, "torch==2.13.0",
+                           f"transformers=={transformers.__version__}"])
 
 
 def default_model() -> str:
@@ -141,8 +144,8 @@ def main() -> int:
         out_dir = os.path.join(work, "out")
         cmd = [os.path.join(LMEVAL_VENV, "bin", "lm_eval"), "--model", "local-completions", "--model_args",
                f"model=folio-lm,base_url=http://127.0.0.1:{http}/v1/completions,tokenizer={tok_dir},"
-               f"tokenized_requests=True,num_concurrent=1,max_retries=1,batch_size=4",
-               "--tasks", "folio_mc", "--include_path", task_dir, "--output_path", out_dir, "--log_samples"]
+               f"tokenized_requests=True,num_concurrent=1,max_retries=1",
+               "--batch_size", "4", "--tasks", "folio_mc", "--include_path", task_dir, "--output_path", out_dir, "--log_samples"]
         env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         t0 = time.perf_counter()
         run = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=1200)
