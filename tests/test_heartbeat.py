@@ -130,3 +130,45 @@ def test_heartbeats_list_no_running_request_and_the_coordinator_asks_for_victims
 async def _drain(stream):
     async for _ in stream:
         pass
+
+
+def test_a_step_longer_than_the_ttl_keeps_the_worker_alive_and_a_stuck_one_does_not(monkeypatch):
+    """A step that outlasts the load's TTL in Redis (1.5 s) does not make its worker vanish
+    (the router answered 503 "no worker is alive" during long prefills of a real model): the
+    heartbeat renews the last load. A step stuck past EngineWorker.STEP_STALL_S lets it lapse."""
+    with EmbeddedRedis() as server:
+        w = _worker(server.url, "long")
+        state = ClusterState(server.url, "long")
+        real, slow_s = w.engine.step, [4.0]
+
+        def slow():
+            time.sleep(slow_s[0])
+            return real()
+        w.engine.step = slow
+
+        async def main():
+            task = asyncio.create_task(_drain(w.generate(GenerateRequest(
+                "r", list(range(10, 30)), SamplingParams(max_tokens=2, ignore_eos=True)))))
+            await asyncio.sleep(0.3)
+            seen = []
+            for _ in range(30):  # 3 s, all within the first 4 s step
+                seen.append("w0" in state.live_loads())
+                await asyncio.sleep(0.1)
+            assert all(seen), seen
+            assert w._heartbeat.num_keepalives >= 3
+            await task
+            monkeypatch.setattr(EngineWorker, "STEP_STALL_S", 0.5)
+            slow_s[0] = 5.0
+            task = asyncio.create_task(_drain(w.generate(GenerateRequest(
+                "s", list(range(40, 60)), SamplingParams(max_tokens=1, ignore_eos=True)))))
+            deadline = time.monotonic() + 4.5
+            while "w0" in state.live_loads():  # stuck for 0.5 s, then the 1.5 s TTL runs out
+                assert time.monotonic() < deadline, "a stuck worker stayed alive"
+                await asyncio.sleep(0.1)
+            await task
+            await asyncio.sleep(0.3)
+            assert "w0" in state.live_loads()  # beats again once its step ends
+        try:
+            asyncio.run(main())
+        finally:
+            w.shutdown()

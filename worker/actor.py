@@ -89,7 +89,8 @@ class EngineWorker:
         self.num_prompt_tokens = 0
         self.failed: str | None = None  # the engine's fatal error, once it has one
         self._rate = (time.monotonic(), 0, 0.0)  # (time, generated tokens then, tokens/s)
-        self._heartbeat = (Heartbeat(publisher_factory(), f"folio-pub-{worker_id}")
+        self._step_started: float | None = None  # monotonic start of the step running now
+        self._heartbeat = (Heartbeat(publisher_factory(), f"folio-pub-{worker_id}", alive=self._alive)
                            if publisher_factory is not None else None)
         self._threads = [threading.Thread(target=self._step_loop, name=f"folio-step-{worker_id}", daemon=True)]
         for t in self._threads:
@@ -520,11 +521,14 @@ class EngineWorker:
         while not self._stop:
             self._run_commands()
             if self.failed is None and engine.has_unfinished_requests():
+                self._step_started = time.monotonic()
                 try:
                     outs = engine.step()
                 except Exception:
                     self._fail(traceback.format_exc())
                     continue
+                finally:
+                    self._step_started = None
                 for out in outs:
                     if out.error is not None:  # the engine failed this request alone (fault_isolation.py)
                         self._put(out.request_id, RequestFailedError(out.error))
@@ -608,6 +612,16 @@ class EngineWorker:
                            "cpu_usage": st.cpu_usage, "steps": e.timings.steps,
                            **{f"step_s_{k}": v for k, v in vars(e.timings).items() if k != "steps"}},
                           least_urgent)
+
+    STEP_STALL_S = 60.0  # a step running longer than this is stuck: the worker's heartbeat lapses
+
+    def _alive(self) -> bool:
+        """For the heartbeat's keep-alive (publisher thread): the step thread runs, has not
+        failed, and is not stuck in one step."""
+        t = getattr(self, "_step_thread", None)
+        started = self._step_started
+        return (not self.failed and not self._stop and t is not None and t.is_alive()
+                and (started is None or time.monotonic() - started < self.STEP_STALL_S))
 
     def _offer_load(self) -> None:
         if self._heartbeat is not None and not self.failed:

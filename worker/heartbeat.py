@@ -12,6 +12,14 @@ and removed since the last beat (vLLM's BlockStored / BlockRemoved events), and 
 Only a resync copies the whole cache map: the first beat, and the beat after a failed
 publish or a Redis that lost the index. Serializing and sending happen on the publisher
 thread; the latest load replaces an unsent one, changes accumulate until sent.
+
+Liveness is not step progress: a step longer than the load's TTL in Redis (a prefill of
+a few thousand tokens of a real model on a CPU: several seconds) made the worker vanish
+from the cluster state, and the router answered 503 "no worker is alive" while it ran.
+While no new beat comes, the publisher thread sends the last load again every
+`keepalive_s` (its figures as they were, its timestamp unchanged: only its TTL is renewed),
+as long as `alive()` says the step thread is alive and not stuck in one step for longer
+than the actor's bound.
 """
 
 from __future__ import annotations
@@ -36,8 +44,11 @@ class LoadPublisher(Protocol):
 
 
 class Heartbeat:
-    def __init__(self, publisher: LoadPublisher, name: str) -> None:
+    def __init__(self, publisher: LoadPublisher, name: str, keepalive_s: float = 0.5,
+                 alive: Callable[[], bool] | None = None) -> None:
         self.publisher = publisher
+        self.keepalive_s, self.alive = keepalive_s, alive
+        self.num_keepalives = 0
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self._stop = False
@@ -80,13 +91,19 @@ class Heartbeat:
             return out
 
     def _run(self) -> None:
+        last: WorkerLoad | None = None
         while not self._stop:
-            if not self._ready.wait(0.5):
+            if self._ready.wait(self.keepalive_s):
+                self._ready.clear()
+                load, whole, changes = self._take()
+                if load is None:
+                    continue
+            elif last is not None and not self._stop and (self.alive is None or self.alive()):
+                load, whole, changes = last, None, {}  # no beat for a while (a long step): renew the TTL
+                self.num_keepalives += 1
+            else:
                 continue
-            self._ready.clear()
-            load, whole, changes = self._take()
-            if load is None:
-                continue
+            last = load
             self.num_changes_sent += len(changes)
             try:
                 synced = self.publisher.publish(load, whole, changes)
