@@ -105,6 +105,7 @@ class Frontend:
         self.router = router or Router(state, RayWorkerClient(cfg.namespace, cfg.namespace), cfg.router)
         self.metrics = Metrics(ClusterState(cfg.redis_url, cfg.namespace), cfg.model_name)
         self.in_flight = 0
+        self._grammars = None  # structured output's compiler (worker/guided.py), made for the first such request
 
     # ---- prompts and checks ------------------------------------------------------------
     async def text_ids(self, text: str) -> list[int]:
@@ -133,6 +134,11 @@ class Frontend:
                                       param="logprobs")
         resolve_bad_words(params, self.tokenizer)  # bad_words -> token ids here, so workers need no tokenizer
         check_vocab(params, self.vocab_size)
+        if params.guided is not None:  # a schema the workers could not compile: refused before admission
+            if self._grammars is None:
+                from folio.worker.guided import Grammars
+                self._grammars = Grammars(self.tokenizer, self.vocab_size)
+            self._grammars.check(params.guided)
         if len(prompts) > self.cfg.max_num_requests:
             raise InvalidRequestError(f"{len(prompts)} prompts in one request exceed the frontend's limit of "
                                       f"{self.cfg.max_num_requests} in flight", param="prompt")

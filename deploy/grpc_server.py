@@ -14,6 +14,8 @@ aborts it on the worker within one engine step.
 
 from __future__ import annotations
 
+import json
+
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -24,6 +26,7 @@ from folio.deploy.frontend import Frontend
 from folio.v1 import generate_pb2 as pb
 from folio.v1 import generate_pb2_grpc as pb_grpc
 from folio.worker.errors import FolioError, InvalidRequestError, OverloadedError, UnavailableError
+from folio.worker.guided import GuidedSpec
 from folio.worker.sampling_params import SamplingParams
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -58,7 +61,23 @@ def sampling_params(s: pb.SamplingParameters) -> SamplingParams:
         repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
         logit_bias=dict(s.logit_bias) or None, min_tokens=s.min_tokens if s.HasField("min_tokens") else 0,
         bad_words=list(s.bad_words), bad_words_token_ids=[list(w.ids) for w in s.bad_words_token_ids],
-        allowed_token_ids=list(s.allowed_token_ids) or None)
+        allowed_token_ids=list(s.allowed_token_ids) or None, guided=_guided(s))
+
+
+def _guided(s: pb.SamplingParameters) -> GuidedSpec | None:
+    asked = [GuidedSpec("json_schema", s.guided_json)] if s.guided_json else []
+    asked += [GuidedSpec("json_object")] if s.guided_json_object else []
+    asked += [GuidedSpec("regex", s.guided_regex)] if s.guided_regex else []
+    asked += [GuidedSpec.choice(list(s.guided_choice))] if s.guided_choice else []
+    asked += [GuidedSpec("grammar", s.guided_grammar)] if s.guided_grammar else []
+    if len(asked) > 1:
+        raise InvalidRequestError("only one structured-output constraint (guided_*) at a time")
+    if asked and asked[0].kind == "json_schema":
+        try:
+            json.loads(s.guided_json)
+        except ValueError:
+            raise InvalidRequestError("guided_json is not valid JSON", param="guided_json") from None
+    return asked[0] if asked else None
 
 
 def _logprobs(entries) -> list:

@@ -8,8 +8,7 @@ bounds are SamplingParams' (worker/sampling_params.py), shared with gRPC and the
 
 Every field is honoured or refused, never ignored. The fields that OpenAI or vLLM define
 and Folio does not implement (yet) are in `UNSUPPORTED`: each is accepted only at its no-op
-value (its default: `response_format` {"type": "text"}, `tool_choice` "none", `prompt_logprobs`
-null, ...) and anything else is a 400 whose `param` names it. Accepted because
+value (its default: `tool_choice` "none", `prompt_logprobs` null, `structural_tag` null, ...) and anything else is a 400 whose `param` names it. Accepted because
 they change nothing Folio does (`NO_OPS`): `user` (an end-user id for abuse monitoring),
 `metadata` (tags of stored completions; Folio stores none), `parallel_tool_calls` (no tools),
 `include_reasoning` (no reasoning parser), `service_tier` "auto" / "default" (one tier).
@@ -34,6 +33,7 @@ from typing import Any, ClassVar, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from folio.worker.errors import InvalidRequestError
+from folio.worker.guided import GuidedSpec
 from folio.worker.sampling_params import SamplingParams
 
 Ids = list[int]
@@ -60,12 +60,6 @@ def _text_format(v) -> bool:
 # field -> (the test of a value that has no effect, what to say). Both APIs unless marked.
 UNSUPPORTED: dict[str, tuple] = {
     "prompt_logprobs": (lambda v: v is None, "prompt_logprobs is not supported"),
-    "response_format": (_text_format, 'response_format is not supported (other than {"type": "text"})'),
-    "guided_json": (lambda v: v is None, "guided_json is not supported"),
-    "guided_regex": (lambda v: v is None, "guided_regex is not supported"),
-    "guided_choice": (lambda v: v is None, "guided_choice is not supported"),
-    "guided_grammar": (lambda v: v is None, "guided_grammar is not supported"),
-    "guided_decoding_backend": (lambda v: v is None, "guided_decoding_backend is not supported"),
     "guided_whitespace_pattern": (lambda v: v is None, "guided_whitespace_pattern is not supported"),
     "structural_tag": (lambda v: v is None, "structural_tag is not supported"),
     "logits_processors": (_empty, "logits_processors is not supported"),
@@ -159,6 +153,13 @@ class _Sampling(_Refusing):
     min_tokens: int | None = None  # vLLM's
     bad_words: list[str] | None = None  # vLLM's
     allowed_token_ids: list[int] | None = None  # vLLM's
+    # structured output (worker/guided.py): OpenAI's response_format, or one of vLLM's guided_*
+    response_format: dict[str, Any] | None = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # only xgrammar (or "auto")
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep the prompt's last k tokens (vLLM)
     return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:<id>" (vLLM)
     request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)  # the response's id
@@ -196,7 +197,51 @@ class _Sampling(_Refusing):
             presence_penalty=v(self.presence_penalty, 0.0), frequency_penalty=v(self.frequency_penalty, 0.0),
             repetition_penalty=v(self.repetition_penalty, 1.0), logit_bias=_logit_bias(self.logit_bias),
             min_tokens=v(self.min_tokens, 0), bad_words=self.bad_words or [],
-            allowed_token_ids=self.allowed_token_ids, prompt_logprobs=self._prompt_logprobs())
+            allowed_token_ids=self.allowed_token_ids, prompt_logprobs=self._prompt_logprobs(), guided=self._guided())
+
+    def _guided(self) -> GuidedSpec | None:
+        """The one structured-output constraint asked for (two at once is a 400), as a GuidedSpec."""
+        if self.guided_decoding_backend not in (None, "xgrammar", "auto"):
+            raise InvalidRequestError(f"guided_decoding_backend {self.guided_decoding_backend!r} is not supported "
+                                      f"(xgrammar is Folio's)", param="guided_decoding_backend")
+        asked: list[tuple[str, GuidedSpec]] = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                asked.append(("response_format", GuidedSpec("json_object")))
+            elif kind == "json_schema":
+                js = rf.get("json_schema")
+                schema = js.get("schema") if isinstance(js, dict) else None
+                if not isinstance(schema, dict):
+                    raise InvalidRequestError("response_format.json_schema.schema must be a JSON schema (an object)",
+                                              param="response_format")
+                asked.append(("response_format", GuidedSpec("json_schema", json.dumps(schema))))
+            elif kind != "text":
+                raise InvalidRequestError('response_format.type must be "text", "json_object" or "json_schema", '
+                                          f"got {kind!r}", param="response_format")
+        if self.guided_json is not None:
+            if not isinstance(self.guided_json, dict):
+                try:
+                    schema = json.loads(self.guided_json)
+                except ValueError:
+                    raise InvalidRequestError("guided_json is not valid JSON", param="guided_json") from None
+            else:
+                schema = self.guided_json
+            asked.append(("guided_json", GuidedSpec("json_schema", json.dumps(schema))))
+        if self.guided_regex is not None:
+            asked.append(("guided_regex", GuidedSpec("regex", self.guided_regex)))
+        if self.guided_choice is not None:
+            if not self.guided_choice or not all(self.guided_choice):
+                raise InvalidRequestError("guided_choice must be a non-empty list of non-empty strings",
+                                          param="guided_choice")
+            asked.append(("guided_choice", GuidedSpec.choice(self.guided_choice)))
+        if self.guided_grammar is not None:
+            asked.append(("guided_grammar", GuidedSpec("grammar", self.guided_grammar)))
+        if len(asked) > 1:
+            raise InvalidRequestError(f"only one structured-output constraint at a time, got {[a for a, _ in asked]}",
+                                      param=asked[1][0])
+        return asked[0][1] if asked else None
 
     @property
     def include_usage(self) -> bool:

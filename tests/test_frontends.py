@@ -16,6 +16,7 @@ from folio.cluster.state import ClusterState
 from folio.v1 import generate_pb2 as pb
 from folio.v1 import generate_pb2_grpc as pb_grpc
 from folio.worker import LLM, SamplingParams
+from folio.worker.guided import GuidedSpec
 
 from conftest import FOLIO_SERVER_KEY as KEY
 from conftest import FOLIO_SERVER_LIMIT as LIMIT
@@ -205,6 +206,41 @@ def test_logits_processing_over_http_and_grpc_equals_offline(server, client, stu
     with pytest.raises(grpc.RpcError) as e:
         stub.Generate(req("hi", max_tokens=4, logit_bias={4096: 1.0}), metadata=AUTH)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logit_bias" in e.value.details()
+    wait_idle(server)
+
+
+def test_structured_output_over_http_and_grpc(server, client, stub):
+    """response_format json_schema (chat), json_object, guided_choice / guided_regex (completions,
+    gRPC): the random-weight model's outputs parse and match; the offline engine gives the same."""
+    import json
+    import re
+
+    import jsonschema
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "tags": {"type": "array", "items": {"enum": ["a", "b"]},
+                                                        "maxItems": 2}},
+              "required": ["name", "n"], "additionalProperties": False}
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "give me json"}], max_tokens=120, temperature=1.0, seed=3,
+        n=2, response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema}})
+    for c in chat.choices:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.message.content), schema)
+    got = client.completions.create(model="tiny", prompt=PROMPTS[:3], max_tokens=20, temperature=0,
+                                    extra_body={"guided_choice": ["red", "green", "blue"]})
+    want = offline(server["model"], PROMPTS[:3], max_tokens=20, temperature=0.0,
+                   guided=GuidedSpec.choice(["red", "green", "blue"]))
+    assert [c.text for c in got.choices] == [w.text for w in want] and all(w.text in ("red", "green", "blue")
+                                                                          for w in want)
+    r = pb.GenerateRequest(sampling=pb.SamplingParameters(max_tokens=30, temperature=1.0, seed=5,
+                                                          guided_regex=r"[a-f]{2}-[0-9]{1,3}"))
+    r.text = PROMPTS[0]
+    text = stub.Generate(r, metadata=AUTH).completions[0].text
+    assert re.fullmatch(r"[a-f]{2}-[0-9]{1,3}", text), text
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(req("hi", max_tokens=4, guided_regex="(unclosed"), metadata=AUTH)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cannot be compiled" in e.value.details()
     wait_idle(server)
 
 

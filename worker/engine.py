@@ -43,6 +43,8 @@ class LLMEngine:
     - One caller drives it: it is not thread-safe.
     """
 
+    grammars = None  # structured output's compiler and cache (guided.py), made for the first such request
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
@@ -104,6 +106,8 @@ class LLMEngine:
             raise InvalidRequestError(f"n={params.n} completions exceed max_num_seqs={self.config.max_num_seqs}")
         resolve_bad_words(params, self.tokenizer)  # bad_words -> token ids (in place, as vLLM does)
         check_vocab(params, self.model_config.vocab_size)
+        if params.guided is not None:
+            self.guided_grammars().check(params.guided)  # a schema it cannot compile: refused here
         text, token_ids = self._tokenize(prompt)
         n_prompt = len(token_ids)
         if n_prompt >= self.max_model_len:
@@ -125,6 +129,12 @@ class LLMEngine:
         self._output_kind[request_id] = output_kind
         self.scheduler.add(group)
         return request_id
+
+    def guided_grammars(self):
+        if self.grammars is None:
+            from folio.worker.guided import Grammars
+            self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
+        return self.grammars
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -340,7 +350,16 @@ class LLMEngine:
         reason = stop = None
         if p.detokenize:
             stop = self.detokenizer.append_token(seq, token)
-        if not p.ignore_eos and token in self.eos_token_ids:
+        done_grammar = False
+        if p.guided is not None:
+            if seq.grammar is None:
+                self.guided_grammars().matcher(seq)  # replays every output token, this one included
+            elif not seq.grammar.accept_token(token):
+                raise InvalidRequestError(f"token {token} does not match the request's grammar")
+            done_grammar = seq.grammar.is_terminated()
+        if done_grammar:  # the output is complete (the grammar took its stop token)
+            reason = "stop"
+        elif not p.ignore_eos and token in self.eos_token_ids:
             reason = "stop"
         elif token in p.stop_token_ids:
             reason, seq.stop_reason = "stop", token

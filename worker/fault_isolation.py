@@ -130,7 +130,7 @@ def sample(engine, sample_fn, seqs: list[Sequence], logits: torch.Tensor, blamed
              if s.generator is not None and s.params.seed is not None]
     try:
         return seqs, sample_fn(logits, [s.params for s in seqs], [s.generator for s in seqs], seqs,
-                               engine.eos_token_ids)
+                               engine.eos_token_ids, engine.grammars)
     except Exception as e:
         first = e
     for g, state in saved:
@@ -144,7 +144,7 @@ def sample(engine, sample_fn, seqs: list[Sequence], logits: torch.Tensor, blamed
         group = [s for _, s in rows]
         try:
             result = sample_fn(logits.index_select(0, idx), [s.params for s in group], [s.generator for s in group],
-                               group, engine.eos_token_ids)
+                               group, engine.eos_token_ids, engine.grammars)
         except Exception as e:
             blamed[group[0].group.request_id] = describe(e)
             continue

@@ -108,6 +108,8 @@ def import_request(engine, state: RequestState) -> str:
         if s.kv is not None and s.kv.shape[0] != cdiv(s.num_computed_tokens, state.block_size):
             raise InvalidRequestError(f"KV of {s.kv.shape[0]} blocks does not hold {s.num_computed_tokens} tokens "
                                       f"in blocks of {state.block_size}")
+    if state.params.guided is not None:  # its grammar compiles here too (its matchers replay its tokens)
+        engine.guided_grammars().check(state.params.guided)
     group = SequenceGroup(rid, state.prompt_token_ids, state.params, state.arrival_time, state.priority, state.prompt)
     group.forked = state.forked
     if state.prompt_logprobs is not None:

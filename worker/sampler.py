@@ -2,8 +2,8 @@
 
 Rows whose requests ask for it first have their logits processed (`process_logits`, batched:
 one masked or scattered tensor operation per kind over all the rows that use it, in vLLM's
-order): allowed_token_ids, bad words, logit_bias, min_tokens, then the repetition, frequency and
-presence penalties. Greedy rows then take the argmax. Sampled rows go through temperature,
+order): the structured-output grammar's mask (guided.py), allowed_token_ids, bad words,
+logit_bias, min_tokens, then the repetition, frequency and presence penalties. Greedy rows then take the argmax. Sampled rows go through temperature,
 top-k, top-p and min-p (batched over rows), then each row draws with its own generator, so a
 seeded request gets the same tokens whatever else shares its batch. Logprobs are those of the
 raw logits (vLLM's default `raw_logprobs`).
@@ -42,7 +42,7 @@ def _padded(rows: list[list[int]], device) -> torch.Tensor:
 
 
 def process_logits(logits: torch.Tensor, params: list, histories: Sequence[History] | None,
-                   eos_ids=()) -> torch.Tensor:
+                   eos_ids=(), grammars=None) -> torch.Tensor:
     """float32 logits [N, V] with each row's logits processing applied (a new tensor when any is;
     `logits` itself when no row asks for any). Each kind is one batched operation over the rows
     that use it, touching only the ids it concerns (gather / scatter), never a dense [N, V] pass
@@ -63,6 +63,12 @@ def process_logits(logits: torch.Tensor, params: list, histories: Sequence[Histo
             logits.index_put_((torch.tensor(ri, device=device), torch.tensor(ti, device=device)),
                               torch.tensor(value, dtype=logits.dtype, device=device))
 
+    guided = [i for i in rows if params[i].guided is not None]
+    if guided:  # structured output first (vLLM's order): what the grammar allows next
+        if grammars is None:
+            raise ValueError("structured output needs the engine's grammars")
+        from folio.worker.guided import apply_bitmask
+        apply_bitmask(logits, guided, grammars.bitmask([grammars.matcher(histories[i]) for i in guided]))
     allowed = [i for i in rows if params[i].allowed_token_ids is not None]
     if allowed:
         ids = _padded([[t for t in params[i].allowed_token_ids if 0 <= t < vocab] or [0] for i in allowed], device)
@@ -153,12 +159,12 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           histories: Sequence[History] | None = None, eos_ids=()) -> SampleResult:
+           histories: Sequence[History] | None = None, eos_ids=(), grammars=None) -> SampleResult:
     """logits [N, V] (any float dtype) -> one token per row. `histories` (each row's tokens so
     far) and `eos_ids` are needed by rows whose params process logits (penalties, min_tokens...)."""
     logits = logits.float()
     n = logits.shape[0]
-    processed = process_logits(logits, params, histories, eos_ids)
+    processed = process_logits(logits, params, histories, eos_ids, grammars)
     tokens = processed.argmax(dim=-1)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:

@@ -105,6 +105,7 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)  # never completed (token ids: resolve_bad_words)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # a sequence never emitted whole
     allowed_token_ids: list[int] | None = None  # only these can be sampled
+    guided: "GuidedSpec | None" = None  # structured output: the grammar the output must match (guided.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -128,6 +129,10 @@ class SamplingParams:
             self.allowed_token_ids = list(self.allowed_token_ids)
         if self.logit_bias is not None:
             self.logit_bias = dict(self.logit_bias)
+        if self.guided is not None:
+            from folio.worker.guided import GuidedSpec
+            if not isinstance(self.guided, GuidedSpec):
+                raise InvalidRequestError("guided must be a GuidedSpec", param="response_format")
         if self.top_k == -1:
             self.top_k = 0
         self._check()
@@ -212,7 +217,7 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Whether the sampler changes this request's logits before it samples (sampler.process_logits)."""
         return (self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or bool(self.bad_words_token_ids)
-                or self.allowed_token_ids is not None)
+                or self.allowed_token_ids is not None or self.guided is not None)
 
 
 def check_vocab(params: SamplingParams, vocab_size: int) -> None:

@@ -38,7 +38,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "group", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "status", "block_hashes", "generator", "output_text", "logprobs", "finish_reason",
-        "stop_reason", "num_preemptions", "_decoder", "_sent_tokens", "_sent_text_len",
+        "stop_reason", "num_preemptions", "_decoder", "_sent_tokens", "_sent_text_len", "grammar",
     )
 
     def __init__(self, group: "SequenceGroup", index: int, token_ids: list[int]) -> None:
@@ -59,6 +59,7 @@ class Sequence:
         self._decoder = None  # incremental detokenizer state (detokenizer.py)
         self._sent_tokens = 0  # output tokens already reported (for streaming deltas)
         self._sent_text_len = 0
+        self.grammar = None  # structured output: its xgrammar matcher, made on first use (guided.py)
 
     # ---- derived figures -------------------------------------------------------------
     @property

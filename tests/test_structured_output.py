@@ -1,0 +1,151 @@
+"""Structured output (worker/guided.py, xgrammar): generated JSON schemas (nested objects,
+enums, arrays, required fields, bounded numbers and strings) on a random-weight model, which
+would never write JSON by itself: every output parses and validates; regexes, choices and
+EBNF grammars likewise; a migration mid-output resumes the grammar exactly; a schema that
+cannot compile is a clear error. Through the servers in tests/test_frontends.py."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from folio.worker import LLM, SamplingParams
+from folio.worker.errors import InvalidRequestError
+from folio.worker.guided import GuidedSpec
+from tests.conftest import PROMPTS
+
+names = st.text(alphabet="abcdefghij_", min_size=1, max_size=6)
+leaf = st.one_of(
+    st.just({"type": "boolean"}),
+    st.builds(lambda lo, n: {"type": "integer", "minimum": lo, "maximum": lo + n}, st.integers(-50, 50),
+              st.integers(0, 99)),
+    st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 6)),
+    st.lists(st.text(alphabet="xyzXYZ -", min_size=1, max_size=5), min_size=1, max_size=4, unique=True)
+    .map(lambda e: {"enum": e}),
+    st.just({"type": "null"}),
+)
+
+
+def _obj(children):
+    return st.dictionaries(names, children, min_size=1, max_size=4).flatmap(
+        lambda props: st.lists(st.sampled_from(sorted(props)), unique=True).map(
+            lambda req: {"type": "object", "properties": props, "required": req, "additionalProperties": False}))
+
+
+schemas = st.recursive(leaf, lambda children: st.one_of(
+    _obj(children), st.builds(lambda it, n: {"type": "array", "items": it, "maxItems": n}, children,
+                              st.integers(0, 3))), max_leaves=8).filter(lambda s: s.get("type") == "object") \
+    | _obj(leaf)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dirs):
+    return LLM(model_dirs["llama"], block_size=8, num_kv_blocks=1024)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schema=schemas, seed=st.integers(0, 2**31))
+def test_generated_schemas_always_validate(llm, schema, seed):
+    spec = GuidedSpec("json_schema", json.dumps(schema))
+    outs = llm.generate(PROMPTS[:4], [SamplingParams(max_tokens=400, temperature=1.0, seed=seed + i, guided=spec)
+                                      for i in range(4)])
+    for o in outs:
+        assert o.finish_reason == "stop", (schema, o.text)
+        jsonschema.validate(json.loads(o.text), schema)
+    llm.engine.check_invariants()
+
+
+def test_regex_choice_grammar_and_json_object(llm):
+    cases = [
+        (GuidedSpec("regex", r"[0-9]{3}-[a-z]{2,4}"), lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", t)),
+        (GuidedSpec.choice(["yes", "no", "not (sure)"]), lambda t: t in ("yes", "no", "not (sure)")),
+        (GuidedSpec("grammar", 'root ::= "(" [a-c] [a-c]? [a-c]? ")" | "[" [0-9] "]"'),
+         lambda t: re.fullmatch(r"\([a-c]{1,3}\)|\[[0-9]\]", t)),
+        (GuidedSpec("json_object"), lambda t: isinstance(json.loads(t), (dict, list))),
+    ]
+    for spec, ok in cases:
+        for greedy in (True, False):
+            params = [SamplingParams(max_tokens=200, temperature=0.0 if greedy else 1.0, seed=i, guided=spec)
+                      for i in range(len(PROMPTS))]
+            for o in llm.generate(PROMPTS, params):
+                if spec.kind == "json_object" and o.finish_reason == "length":
+                    continue  # any JSON may go on past max_tokens (nothing bounds it)
+                assert o.finish_reason == "stop" and ok(o.text), (spec, o.text)
+
+
+def test_guided_and_plain_requests_share_a_batch(llm):
+    plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    alone = llm.generate(PROMPTS, plain)
+    spec = GuidedSpec.choice(["alpha", "beta"])
+    mixed = llm.generate(PROMPTS * 2, [plain] * len(PROMPTS) + [SamplingParams(max_tokens=12, temperature=0.0,
+                                                                                guided=spec)] * len(PROMPTS))
+    assert [o.token_ids for o in mixed[:len(PROMPTS)]] == [o.token_ids for o in alone]
+    assert all(o.text in ("alpha", "beta") for o in mixed[len(PROMPTS):])
+
+
+def test_a_migration_mid_output_resumes_the_grammar(model_dirs):
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 30}, "b": {"type": "integer"}},
+              "required": ["a", "b"], "additionalProperties": False}
+    p = SamplingParams(max_tokens=200, temperature=0.0, guided=GuidedSpec("json_schema", json.dumps(schema)))
+    want = LLM(model_dirs["llama"], block_size=8, num_kv_blocks=256).generate(PROMPTS[:1], p)[0]
+    a = LLM(model_dirs["llama"], block_size=8, num_kv_blocks=256).engine
+    b = LLM(model_dirs["llama"], block_size=8, num_kv_blocks=256, num_cpu_blocks=64).engine
+    a.add_request("m", PROMPTS[0], p)
+    for _ in range(6):
+        a.step()
+    state = a.export_request("m")
+    assert 0 < len(state.seqs[0].token_ids) - len(state.prompt_token_ids) < len(want.token_ids)
+    b.import_request(state)
+    done = []
+    while b.has_unfinished_requests():
+        done += [o for o in b.step() if o.finished]
+    assert done[0].error is None, done[0].error
+    assert done[0].token_ids == want.token_ids and done[0].text == want.text
+    jsonschema.validate(json.loads(done[0].text), schema)
+
+
+@pytest.mark.parametrize("spec", [GuidedSpec("json_schema", "{not json"), GuidedSpec("regex", "(unclosed"),
+                                  GuidedSpec("grammar", "root ::= missing_rule"),
+                                  GuidedSpec("json_schema", json.dumps({"type": "no-such-type"}))])
+def test_what_cannot_compile_is_refused_and_leaves_nothing(llm, spec):
+    with pytest.raises(InvalidRequestError) as e:
+        llm.engine.add_request("bad", PROMPTS[0], SamplingParams(guided=spec))
+    assert "cannot be compiled" in str(e.value) and not llm.engine.has_unfinished_requests()
+
+
+def test_bad_specs():
+    with pytest.raises(InvalidRequestError):
+        GuidedSpec("xml")
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(guided={"type": "json_object"})
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 6), vocab=st.integers(1, 200), seed=st.integers(0, 2**31), some=st.booleans())
+def test_apply_bitmask_equals_xgrammars_own(rows, vocab, seed, some):
+    import torch
+    import xgrammar as xgr
+
+    from folio.worker.guided import apply_bitmask
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows + 2, vocab, generator=g)
+    bm = torch.randint(-2**31, 2**31 - 1, (rows, (vocab + 31) // 32), dtype=torch.int32, generator=g)
+    which = list(range(1, rows + 1)) if some else list(range(rows + 2))[:rows]
+    if not some:
+        logits = logits[:rows].clone()
+    got = logits.clone()
+    apply_bitmask(got, which, bm)
+    want = logits.clone()  # written out: token t of row r is allowed when bit t % 32 of word t // 32 is set
+    for j, r in enumerate(which):
+        for t in range(vocab):
+            if not (int(bm[j, t // 32]) >> (t % 32)) & 1:
+                want[r, t] = float("-inf")
+    assert torch.equal(got, want)
+    if vocab >= 64:  # and as xgrammar's own apply (on a 1-token vocabulary it masked a row whose bit was set)
+        part = logits[which].clone()
+        xgr.apply_token_bitmask_inplace(part, bm)
+        assert torch.equal(got[which], part)

@@ -1,0 +1,155 @@
+"""Structured output: a request's output constrained to a grammar (JSON schema, any JSON, a
+regex, a choice of strings, an EBNF grammar), through xgrammar, as vLLM's default backend.
+
+    spec = GuidedSpec("json_schema", json.dumps(schema))     # in SamplingParams.guided
+    grammars = Grammars(tokenizer, vocab_size)                # one per engine (and frontend)
+    grammars.check(spec)                                      # InvalidRequestError for a bad one
+    m = grammars.matcher(seq)                                 # the sequence's state, made lazily
+    apply_bitmask(logits, rows, [m, ...])                     # sampler: what the grammar allows
+    m.accept_token(token)                                     # after the draw (engine)
+
+A matcher is made on first use by replaying the sequence's output tokens, so a sequence that
+arrives by migration (or whose state was dropped) resumes exactly; it is never shipped. The
+mask is xgrammar's packed bitmask (32 tokens per int32), filled per row and unpacked with
+torch for the whole batch at once (xgrammar's own CPU apply took 25 ms at batch 64 here).
+Why xgrammar: it compiles a schema in ~10 ms and fills a 49,152-token mask in microseconds
+per row (benchmarks/logits_processing.py records the cost per step at batch 64); it is what
+vLLM uses by default, and has CPU wheels. JSON is compact (no free whitespace), so a model
+cannot run on emitting spaces.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from folio.worker.errors import InvalidRequestError
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_SPEC_CHARS = 64 * 1024
+
+
+@dataclass(frozen=True)
+class GuidedSpec:
+    """What a request's output must match. `value`: the schema as JSON text (json_schema),
+    the pattern (regex), the choices as a JSON list (choice), the EBNF (grammar), "" (json_object)."""
+    kind: str
+    value: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise InvalidRequestError(f"guided decoding kind must be one of {KINDS}, got {self.kind!r}",
+                                      param="response_format")
+        if not isinstance(self.value, str) or len(self.value) > MAX_SPEC_CHARS:
+            raise InvalidRequestError(f"a guided decoding spec is a string of at most {MAX_SPEC_CHARS} characters",
+                                      param="response_format")
+
+    @staticmethod
+    def choice(options: list[str]) -> "GuidedSpec":
+        return GuidedSpec("choice", json.dumps(list(options)))
+
+
+def _regex_escape(s: str) -> str:
+    return "".join("\\" + c if c in r".^$*+?{}[]\|()/" else c for c in s)
+
+
+# xgrammar 0.2.9 writes a string with minLength / maxLength as characters [^"\\\r\n]: a raw
+# control character (which JSON forbids in a string: json.loads refused "\x03" from a random
+# model) passes it. The same class as its unbounded strings, [^\0-\x1f"\\], fixes it.
+_BOUNDED_CHAR = r'[^\"\\\r\n]'
+_JSON_CHAR = r'[^\0-\x1f\"\\]'
+
+
+def json_schema_ebnf(schema: str) -> str:
+    """The EBNF of a JSON schema (compact: no free whitespace), as xgrammar writes it, mended."""
+    import xgrammar as xgr
+    return str(xgr.Grammar.from_json_schema(schema, any_whitespace=False)).replace(_BOUNDED_CHAR, _JSON_CHAR)
+
+
+class Grammars:
+    """The compiler and a cache of compiled grammars for one tokenizer."""
+
+    MAX_CACHED = 256
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int] | None = None) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        # the engine's EOS ids (generation_config's too): the grammar ends on what ends a sequence
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=stop_token_ids or None)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
+        self._cache: dict[GuidedSpec, Any] = {}
+
+    def compiled(self, spec: GuidedSpec):
+        g = self._cache.get(spec)
+        if g is None:
+            g = self._compile(spec)
+            if len(self._cache) >= self.MAX_CACHED:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[spec] = g
+        return g
+
+    def _compile(self, spec: GuidedSpec):
+        c = self.compiler
+        try:
+            if spec.kind == "json_schema":
+                return c.compile_grammar(json_schema_ebnf(spec.value))
+            if spec.kind == "json_object":
+                return c.compile_builtin_json_grammar()
+            if spec.kind == "regex":
+                return c.compile_regex(spec.value)
+            if spec.kind == "choice":
+                options = json.loads(spec.value)
+                if not options or not all(isinstance(o, str) and o for o in options):
+                    raise ValueError("choices must be a non-empty list of non-empty strings")
+                return c.compile_regex("(" + "|".join(_regex_escape(o) for o in options) + ")")
+            return c.compile_grammar(spec.value)
+        except InvalidRequestError:
+            raise
+        except Exception as e:  # xgrammar's errors: a schema, regex or grammar it cannot compile
+            raise InvalidRequestError(f"the {spec.kind.replace('_', ' ')} cannot be compiled: {str(e)[:300]}",
+                                      param="response_format") from None
+
+    def check(self, spec: GuidedSpec | None) -> None:
+        if spec is not None:
+            self.compiled(spec)
+
+    def matcher(self, seq):
+        """The sequence's matcher, made on first use with its output tokens so far replayed."""
+        m = seq.grammar
+        if m is None:
+            m = self._xgr.GrammarMatcher(self.compiled(seq.params.guided))
+            for t in seq.output_token_ids:
+                if not m.accept_token(t):
+                    raise InvalidRequestError(f"output token {t} does not match the request's grammar")
+            seq.grammar = m
+        return m
+
+    def bitmask(self, matchers: list) -> torch.Tensor:
+        bm = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        for i, m in enumerate(matchers):
+            m.fill_next_token_bitmask(bm, i)
+        return bm
+
+
+# byte -> what its 8 bits (lowest first) add to 8 logits: 0 where allowed, -inf where not. A
+# packed little-endian int32 word of the mask, read as 4 bytes, unpacks in token order; one
+# lookup and one add (masked_fill on the same [64, 49152] took 15 ms here, add 0.8 ms)
+_ADD = torch.where(((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool(), 0.0, float("-inf"))
+
+
+def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """logits[rows] = -inf wherever the packed bitmask (int32 [len(rows), ceil(V / 32)]) has a 0."""
+    vocab = logits.shape[-1]
+    as_bytes = bitmask.contiguous().view(torch.uint8).reshape(-1).to(logits.device).long()
+    add = _ADD.to(device=logits.device, dtype=logits.dtype).index_select(0, as_bytes).reshape(len(rows), -1)
+    add = add[:, :vocab]
+    if rows == list(range(logits.shape[0])):  # every row: in place, no gather of rows
+        logits.add_(add)
+    else:
+        logits.index_add_(0, torch.tensor(rows, dtype=torch.long, device=logits.device), add)
