@@ -50,6 +50,32 @@ def configs(rng: random.Random, vocab: int) -> dict[str, dict]:
     }
 
 
+TEXTS = ["The capital of France is Paris. It is known for the Eiffel Tower, museums such as the Louvre, and cafes.",
+         "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+         "Write a short poem about the sea. The sea is wide and deep, its waves roll on and on to the shore."]
+
+
+def smollm2_logits(batch: int) -> torch.Tensor:
+    """[batch, 49152] next-token logits of SmolLM2-135M-Instruct at the positions of TEXTS."""
+    from transformers import AutoModelForCausalLM
+
+    from folio.worker.detokenizer import load_tokenizer
+    sys.path.insert(0, os.path.dirname(__file__))
+    from serve_smollm2 import smollm2_gguf
+    path = smollm2_gguf()
+    if path is None:
+        raise SystemExit("no SmolLM2 GGUF (make venv installs it): use --logits zipf")
+    tok = load_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                 dtype=torch.float32).eval()
+    rows = []
+    with torch.no_grad():
+        for t in TEXTS:
+            rows.append(model(tok(t, return_tensors="pt").input_ids).logits[0].float())
+    rows = torch.cat(rows)
+    return rows[torch.arange(batch) % rows.shape[0]]
+
+
 def time_call(fn, repeats: int) -> float:
     for _ in range(3):
         fn()
@@ -69,13 +95,24 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--logits", choices=["smollm2", "zipf", "normal"], default="smollm2",
+                    help="smollm2: the real model's next-token logits at the positions of a few texts (transformers "
+                         "on its GGUF); zipf: p ~ 1 / rank^1.1, shuffled; normal: N(0, 1), flat")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
     rows = [Row([rng.randrange(args.vocab) for _ in range(args.prompt_len)],
                 [rng.randrange(args.vocab) for _ in range(args.output_len)]) for _ in range(args.batch)]
-    logits = torch.randn(args.batch, args.vocab)
+    if args.logits == "smollm2":
+        logits = smollm2_logits(args.batch)
+        args.vocab = logits.shape[-1]
+    elif args.logits == "zipf":  # most of the mass on few tokens, as a trained model's next-token distribution
+        ranks = torch.arange(1, args.vocab + 1, dtype=torch.float32)
+        logits = torch.stack([(-1.1 * ranks.log())[torch.randperm(args.vocab, generator=torch.Generator().manual_seed(i))]
+                              for i in range(args.batch)])
+    else:
+        logits = torch.randn(args.batch, args.vocab)
     results = {}
     for greedy in (True, False):
         for name, kw in configs(rng, args.vocab).items():
@@ -84,7 +121,7 @@ def main() -> None:
             gens = [None if greedy else torch.Generator().manual_seed(i) for i in range(len(rows))]
             ms = 1e3 * time_call(lambda: sample(logits, params, gens, rows, {0}), args.repeats)
             results[f"{'greedy' if greedy else 'sampled'} / {name}"] = ms
-    out = {"batch": args.batch, "vocab": args.vocab, "prompt_len": args.prompt_len, "output_len": args.output_len,
+    out = {"batch": args.batch, "vocab": args.vocab, "logits": args.logits, "prompt_len": args.prompt_len, "output_len": args.output_len,
            "threads": args.threads, "cpu": platform.processor() or platform.machine(),
            "date": time.strftime("%Y-%m-%d %H:%M"), "ms_per_call": results,
            "added_ms_per_row": {k: (v - results[k.split(" / ")[0] + " / none"]) / args.batch

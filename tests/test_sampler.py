@@ -56,3 +56,67 @@ def test_logprobs_of_chosen_and_top():
     lp = torch.log_softmax(logits[0], -1)
     assert res.token_ids == [1]
     assert res.logprobs[0] == {1: float(lp[1]), 2: float(lp[2])}
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from folio.worker import sampler as sampler_module  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), vocab=st.sampled_from([7, 300, 3000]), rows=st.integers(1, 5),
+       scale=st.sampled_from([0.3, 3.0, 12.0]), candidates=st.sampled_from([4, 64, 1024]),
+       params=st.lists(st.builds(lambda t, k, p, m: SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m),
+                                 st.sampled_from([0.5, 1.0, 1.7]), st.sampled_from([0, 0, 1, 5, 50, 2000]),
+                                 st.sampled_from([1.0, 0.95, 0.5, 0.1]), st.sampled_from([0.0, 0.0, 0.1])),
+                       min_size=5, max_size=5))
+def test_candidate_nucleus_equals_the_full_sort(seed, vocab, rows, scale, candidates, params):
+    """Where the candidate path draws (nucleus inside the K best tokens), its distribution is
+    exactly _filter's over the whole vocabulary (which is 0 outside the candidates)."""
+    kept, sampler_module.CANDIDATES = sampler_module.CANDIDATES, candidates
+    try:
+        _check_candidates(seed, vocab, rows, scale, params)
+    finally:
+        sampler_module.CANDIDATES = kept
+
+
+def _check_candidates(seed, vocab, rows, scale, params):
+    logits = torch.randn(rows, vocab, generator=gen(seed)) * scale
+    ps = [p for p in params[:rows] if p.top_k > 0 or p.top_p < 1.0] or [SamplingParams(top_p=0.5)]
+    logits = logits[:len(ps)]
+    dense = sampler_module._filter(logits, ps)
+    probs, ids, inside = sampler_module._candidate_probs(logits, ps)
+    for r in range(len(ps)):
+        if not inside[r]:
+            continue
+        on = dense[r].gather(0, ids[r])
+        torch.testing.assert_close(probs[r], on, rtol=1e-5, atol=1e-6)
+        assert float(dense[r].sum() - on.sum()) < 1e-5  # nothing of the nucleus outside the candidates
+
+
+def test_a_peaked_distribution_draws_among_the_candidates():
+    """A trained model's next-token distribution (most mass on few tokens): top-p and top-k
+    rows take the candidate path, and the draw follows the nucleus."""
+    logits = torch.full((3, 5000), -10.0)
+    logits[:, :5] = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
+    ps = [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.7, top_k=3),
+          SamplingParams(temperature=1.0, top_p=0.95, top_k=40, min_p=0.05)]
+    _, _, inside = sampler_module._candidate_probs(logits, ps)
+    assert inside.tolist() == [True, True, True]
+    for p in ps:
+        drawn = [sample(logits[:1], [p], [gen(s)]).token_ids[0] for s in range(400)]
+        want = sampler_module._filter(logits[:1], [p])[0]
+        freq = torch.bincount(torch.tensor(drawn), minlength=5000).double()[:5] / 400
+        assert set(drawn) <= set(torch.nonzero(want).flatten().tolist())
+        assert torch.allclose(freq, want[:5].double(), atol=0.07), (p, freq, want[:5])
+
+
+def test_a_flat_distribution_falls_back_to_the_full_sort_and_stays_in_its_nucleus(monkeypatch):
+    monkeypatch.setattr(sampler_module, "CANDIDATES", 16)
+    logits = torch.zeros(1, 400)
+    logits[0, :200] = 1.0  # 200 equally likely tokens above the rest: top_p 0.5 needs ~110 of them
+    p = SamplingParams(temperature=1.0, top_p=0.5, seed=0)
+    _, _, inside = sampler_module._candidate_probs(logits, [p])
+    assert not bool(inside[0])
+    drawn = {sample(logits, [p], [gen(s)]).token_ids[0] for s in range(300)}
+    assert drawn <= set(range(200)) and len(drawn) > 16  # the dense path: more than the 16 candidates

@@ -158,6 +158,73 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return probs
 
 
+def _race(probs: torch.Tensor, generators: list) -> torch.Tensor:
+    """One draw per row of `probs`: the exponential race, argmax(p / E) with E ~ Exp(1) from
+    the row's own generator (so a seeded row draws the same whatever shares its batch)."""
+    noise = torch.empty_like(probs)
+    for r, g in enumerate(generators):
+        noise[r].exponential_(generator=g)
+    noise.clamp_min_(1e-30)  # an exact 0 would turn p = 0 into NaN, which argmax picks
+    return (probs / noise).argmax(dim=-1)
+
+
+CANDIDATES = 1024  # top-k / top-p rows draw among this many best tokens when their nucleus fits
+
+
+def _truncates(p: SamplingParams) -> bool:
+    return p.top_k > 0 or p.top_p < 1.0
+
+
+def _candidate_probs(logits: torch.Tensor, ps: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(probabilities [R, K] over each row's K best tokens, their ids [R, K], whether the row's
+    nucleus lies inside them [R]) after temperature, top-k, top-p and min-p as `_filter` applies them."""
+    vocab, device = logits.shape[-1], logits.device
+    k = min(vocab, max([CANDIDATES] + [p.top_k for p in ps]))
+    temps = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=device)
+    scaled = logits / temps[:, None]
+    vals, ids = scaled.topk(k, dim=-1)  # sorted, best first
+    ranks = torch.arange(k, device=device)[None, :]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in ps], device=device)
+    drop = ranks >= top_k[:, None]
+    # probabilities as _filter has them: over the top-k set when top-k is on, else over the vocabulary
+    full = torch.exp(vals - torch.logsumexp(scaled, dim=-1, keepdim=True))
+    probs = torch.where((top_k < vocab)[:, None], torch.softmax(vals.masked_fill(drop, NEG_INF), dim=-1), full)
+    probs = probs.masked_fill(drop, 0.0)
+    top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=device)
+    inside = ((top_k >= vocab) | (top_k <= k)) & ((top_p >= 1.0) | (probs.sum(dim=-1) >= top_p))
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= top_p[:, None]
+    drop[:, 0] = False
+    probs = torch.softmax(vals.masked_fill(drop, NEG_INF), dim=-1)
+    min_p = torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=device)
+    if (min_p > 0).any():
+        probs = probs * (probs >= probs[:, :1] * min_p[:, None])
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs, ids, inside
+
+
+def _sample_truncated(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], params: list,
+                      generators: list) -> list[int]:
+    """Draw the rows that use top-k or top-p among their CANDIDATES best tokens (a topk, not a
+    sort of the whole vocabulary: at batch 64 x 49,152 the sort took 214 ms and 64 full rows of
+    exponential noise 138 ms). Exact: a row is drawn here only when its nucleus lies inside
+    the candidates (its top-k fits, and its top-p mass is reached within them); the filters
+    are those of `_filter`, in its order. Returns the rows left for the dense path."""
+    if not rows:
+        return []
+    device = logits.device
+    idx = torch.tensor(rows, dtype=torch.long, device=device)
+    probs, ids, inside = _candidate_probs(logits.index_select(0, idx), [params[i] for i in rows])
+    ok = inside.tolist()
+    here = [r for r, good in enumerate(ok) if good]
+    if here:
+        sel = torch.tensor(here, dtype=torch.long, device=device)
+        pick = _race(probs.index_select(0, sel), [generators[rows[r]] for r in here])
+        chosen = ids.index_select(0, sel).gather(1, pick[:, None])[:, 0]
+        tokens.index_copy_(0, idx.index_select(0, sel), chosen)
+    return [rows[r] for r, good in enumerate(ok) if not good]
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            histories: Sequence[History] | None = None, eos_ids=(), grammars=None) -> SampleResult:
     """logits [N, V] (any float dtype) -> one token per row. `histories` (each row's tokens so
@@ -168,15 +235,14 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     tokens = processed.argmax(dim=-1)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
-        idx = torch.tensor(sampled, dtype=torch.long, device=logits.device)
-        probs = _filter(processed.index_select(0, idx), [params[i] for i in sampled])
-        # Exponential race: argmax(p / E), E ~ Exp(1), is a draw from p; E comes from
-        # the row's own generator.
-        noise = torch.empty_like(probs)
-        for r, i in enumerate(sampled):
-            noise[r].exponential_(generator=generators[i])
-        noise.clamp_min_(1e-30)  # an exact 0 would turn p = 0 into NaN, which argmax picks
-        tokens.index_copy_(0, idx, (probs / noise).argmax(dim=-1))
+        dense = _sample_truncated(processed, tokens, [i for i in sampled if _truncates(params[i])], params,
+                                  generators)
+        dense += [i for i in sampled if not _truncates(params[i])]
+        if dense:
+            dense.sort()
+            idx = torch.tensor(dense, dtype=torch.long, device=logits.device)
+            probs = _filter(processed.index_select(0, idx), [params[i] for i in dense])
+            tokens.index_copy_(0, idx, _race(probs, [generators[i] for i in dense]))
     token_list = tokens.tolist()
     lps: list[dict[int, float] | None] = [None] * n
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
