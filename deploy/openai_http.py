@@ -241,6 +241,9 @@ async def chat_completions(frontend: Frontend, body: dict):
     req = await _parse(ChatCompletionRequest, body)
     model = resolve_model(frontend, req.model)
     n = req.sampling_params(1).n  # the cheap checks before the template is rendered
+    if req.tool_plan().renders and "tools" not in (getattr(frontend.tokenizer, "chat_template", None) or ""):
+        raise InvalidRequestError("this model's chat template has no tool support: tools can only be given "
+                                  'with tool_choice "none"', param="tools")
     ids = req.truncate(await frontend.prompts.chat_ids(req.template_messages(), req.add_generation_prompt is not False,
                                                        req.template_kwargs()))
     params = req.sampling_params(await frontend.default_max_tokens(len(ids), n))
@@ -312,8 +315,15 @@ async def _respond(frontend: Frontend, req, run: _Run, chat: bool, model: str):
                 lp = await frontend.prompts.run(logprobs_completion, frontend.tokenizer, echoed + c.entries,
                                                 run.params.logprobs, spans, as_ids)
         if chat:
-            out.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                        "finish_reason": c.reason})
+            message: dict = {"role": "assistant", "content": text}
+            reason = c.reason
+            plan = req.tool_plan()
+            if plan.mode != "none":
+                message["content"], calls = plan.parse(text)
+                if calls:
+                    message["tool_calls"] = calls
+                    reason = "tool_calls" if reason == "stop" else reason
+            out.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
         else:
             out.append({"index": i, "text": text, "logprobs": lp, "finish_reason": c.reason})
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": out, "usage": run.usage}

@@ -30,7 +30,7 @@ import json
 import logging
 from typing import Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from folio.worker.errors import InvalidRequestError
 from folio.worker.guided import GuidedSpec
@@ -77,7 +77,6 @@ UNSUPPORTED_COMPLETIONS: dict[str, tuple] = {
     "prompt_embeds": (lambda v: v is None, "prompt_embeds is not supported"),
 }
 UNSUPPORTED_CHAT: dict[str, tuple] = {
-    "tool_choice": (lambda v: v is None or v == "none", 'tool_choice is not supported (other than "none")'),
     "functions": (_empty, "functions is not supported"),
     "function_call": (lambda v: v is None or v == "none", 'function_call is not supported (other than "none")'),
     "continue_final_message": (_falsy, "continue_final_message is not supported"),
@@ -374,7 +373,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[dict] | None = None  # honoured only with tool_choice "none": not rendered, never called
+    tools: list[dict] | None = None  # deploy/openai_tools.py
+    tool_choice: Union[str, dict, None] = None  # default "auto" with tools, "none" without (OpenAI)
+    _plan: Any = PrivateAttr(default=None)
     add_generation_prompt: bool | None = None  # default true (vLLM)
     chat_template_kwargs: dict[str, Any] | None = None  # passed to the template (vLLM)
     parallel_tool_calls: bool | None = None  # no effect (no tools)
@@ -391,8 +392,10 @@ class ChatCompletionRequest(_Sampling):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        if self.tools and self.extra_unsupported.get("tool_choice") != "none":
-            raise InvalidRequestError('tools are not supported (only with tool_choice "none")', param="tools")
+        plan = self.tool_plan()
+        if plan.renders and self.stream:
+            raise InvalidRequestError("streaming with tools is not supported (stream: false, or tool_choice "
+                                      '"none")', param="stream")
         for i, m in enumerate(self.messages):
             m.check(i)
         bad = RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or ())
@@ -406,11 +409,27 @@ class ChatCompletionRequest(_Sampling):
             self.max_tokens = self.max_completion_tokens
         return super().sampling_params(default_max_tokens)
 
+    def tool_plan(self):
+        from folio.deploy.openai_tools import tool_plan
+        if self._plan is None:
+            self._plan = tool_plan(self.tools, self.tool_choice)
+        return self._plan
+
+    def _guided(self) -> GuidedSpec | None:
+        spec, tools = super()._guided(), self.tool_plan().guided
+        if spec is not None and tools is not None:
+            raise InvalidRequestError("tool_choice required or named constrains the output already: no "
+                                      "response_format or guided_* beside it", param="tool_choice")
+        return tools or spec
+
     def template_messages(self) -> list[dict]:
         return [m.template_dict(i) for i, m in enumerate(self.messages)]
 
     def template_kwargs(self) -> dict:
-        return dict(self.chat_template_kwargs or {})
+        kw = dict(self.chat_template_kwargs or {})
+        if self.tool_plan().renders:
+            kw["tools"] = self.tool_plan().tools
+        return kw
 
 
 class TokenizeRequest(_Refusing):

@@ -163,9 +163,16 @@ def test_tools_with_tool_choice_none_are_not_rendered(folio_server):
     plain = chat(folio_server, msgs)
     none = chat(folio_server, msgs, tools=tools, tool_choice="none")
     assert none[0] == 200 and none[1]["choices"] == plain[1]["choices"]
-    refused(folio_server, "/v1/chat/completions", {"messages": msgs, "tools": tools}, "tools")
-    refused(folio_server, "/v1/chat/completions", {"messages": msgs, "tools": tools, "tool_choice": "auto"},
+    # this model's template has no tool support: tools cannot be shown to it (auto is the default)
+    for choice in (None, "auto", "required", {"type": "function", "function": {"name": "f"}}):
+        body = {"messages": msgs, "tools": tools, **({"tool_choice": choice} if choice else {})}
+        assert "no tool support" in refused(folio_server, "/v1/chat/completions", body, "tools")["message"]
+    refused(folio_server, "/v1/chat/completions", {"messages": msgs, "tools": tools, "stream": True}, "stream")
+    refused(folio_server, "/v1/chat/completions", {"messages": msgs, "tools": tools,
+                                                   "tool_choice": {"type": "function", "function": {"name": "g"}}},
             "tool_choice")
+    refused(folio_server, "/v1/chat/completions", {"messages": msgs, "tools": tools, "tool_choice": "required",
+                                                   "response_format": {"type": "json_object"}}, "tool_choice")
 
 
 # ---- every field honoured or refused --------------------------------------------------------
