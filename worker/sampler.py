@@ -55,13 +55,14 @@ def process_logits(logits: torch.Tensor, params: list, histories: Sequence[Histo
     logits = logits.clone()
     vocab, device = logits.shape[-1], logits.device
 
-    def put(r: list[int], t: list[int], value) -> None:
-        """logits[r, t] = value (ids outside the vocabulary were refused before; dropped here)."""
-        keep = [(a, b) for a, b in zip(r, t) if 0 <= b < vocab]
+    def put(r: list[int], t: list[int], values: list[float], accumulate: bool = False) -> None:
+        """logits[r, t] = values (+= with accumulate); ids outside the vocabulary were refused
+        before (check_vocab) and are dropped here."""
+        keep = [(a, b, v) for a, b, v in zip(r, t, values) if 0 <= b < vocab]
         if keep:
-            ri, ti = zip(*keep)
+            ri, ti, vi = zip(*keep)
             logits.index_put_((torch.tensor(ri, device=device), torch.tensor(ti, device=device)),
-                              torch.tensor(value, dtype=logits.dtype, device=device))
+                              torch.tensor(vi, dtype=logits.dtype, device=device), accumulate=accumulate)
 
     guided = [i for i in rows if params[i].guided is not None]
     if guided:  # structured output first (vLLM's order): what the grammar allows next
@@ -87,14 +88,10 @@ def process_logits(logits: torch.Tensor, params: list, histories: Sequence[Histo
                     r.append(i)
                     t.append(w[-1])
     if r:
-        put(r, t, NEG_INF)
-    biased = [i for i in rows if params[i].logit_bias]
+        put(r, t, [NEG_INF] * len(r))
+    biased = [(i, t, b) for i in rows for t, b in (params[i].logit_bias or {}).items()]
     if biased:
-        keep = [(i, t, b) for i in biased for t, b in params[i].logit_bias.items() if 0 <= t < vocab]
-        if keep:
-            ri, ti, bi = zip(*keep)
-            logits.index_put_((torch.tensor(ri, device=device), torch.tensor(ti, device=device)),
-                              torch.tensor(bi, dtype=logits.dtype, device=device), accumulate=True)
+        put(*map(list, zip(*biased)), accumulate=True)
     r, t = [], []
     for i in rows:  # min_tokens: nothing that ends the sequence before it has that many tokens
         p, h = params[i], histories[i]
@@ -103,7 +100,7 @@ def process_logits(logits: torch.Tensor, params: list, histories: Sequence[Histo
             r += [i] * len(stops)
             t += sorted(stops)
     if r:
-        put(r, t, NEG_INF)
+        put(r, t, [NEG_INF] * len(r))
     rep = [i for i in rows if params[i].repetition_penalty != 1.0]
     if rep:  # HF's RepetitionPenaltyLogitsProcessor: every id of the prompt and the output
         ids = _padded([histories[i].token_ids for i in rep], device).clamp_(0, vocab - 1)
