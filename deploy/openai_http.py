@@ -35,6 +35,7 @@ from folio.deploy.auth import bearer_ok
 from folio.deploy.frontend import Admission, Frontend
 from folio.deploy.openai_logprobs import Choice, logprobs_chat, logprobs_completion, prompt_entries
 from folio.deploy.openai_schema import ChatCompletionRequest, CompletionRequest, parse
+from folio.deploy.openai_tools import ToolCallStream
 from folio.worker.errors import FolioError, InvalidRequestError, OverloadedError, UnavailableError
 from folio.worker.sampling_params import SamplingParams
 
@@ -336,15 +337,28 @@ async def _sse(events, run, rid, obj, created, model, chat, req, frontend) -> As
     def line(payload) -> bytes:
         return f"data: {json.dumps(payload)}\n\n".encode()
     lengths: dict[int, int] = {}  # characters streamed so far per choice
+    plan = req.tool_plan() if chat else None
+    tools: dict[int, ToolCallStream] = {}  # per choice, with tools: text -> content and tool-call deltas
     try:
         async for i, d in events:
             run.count(d)
             if chat:
                 delta = {} if i in lengths else {"role": "assistant"}
                 lengths[i] = 0
-                if d.text:
-                    delta["content"] = d.text
-                choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": d.finish_reason}
+                text, calls, reason = d.text, [], d.finish_reason
+                if plan.mode != "none":
+                    parser = tools.get(i) or tools.setdefault(i, plan.stream())
+                    text, calls = parser.feed(d.text)
+                    if reason is not None:
+                        more, last = parser.finish()
+                        text, calls = text + more, calls + last
+                        if parser.calls and reason == "stop":
+                            reason = "tool_calls"
+                if text:
+                    delta["content"] = text
+                if calls:
+                    delta["tool_calls"] = calls
+                choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
                 if d.logprobs and run.params.logprobs is not None:
                     choice["logprobs"] = logprobs_chat(tok, d.logprobs, run.params.logprobs, as_ids)
             else:

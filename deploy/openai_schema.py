@@ -392,10 +392,7 @@ class ChatCompletionRequest(_Sampling):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        plan = self.tool_plan()
-        if plan.renders and self.stream:
-            raise InvalidRequestError("streaming with tools is not supported (stream: false, or tool_choice "
-                                      '"none")', param="stream")
+        self.tool_plan()
         for i, m in enumerate(self.messages):
             m.check(i)
         bad = RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or ())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -108,33 +109,31 @@ def redis_url_of(ready_line: str) -> str:
         return f.read().strip()
 
 
-@pytest.fixture(scope="session")
-def folio_server(model_dirs):
-    """`folio serve` as a user runs it: two workers on the tiny Llama, API key on, admission
-    limit 6, 48 KV blocks of 8 tokens per worker (swap preemption), all three ports."""
-    import re
+@contextlib.contextmanager
+def folio_serve(model: str, *args: str, ready_timeout_s: float = 240):
+    """`folio serve --model MODEL ARGS` as a subprocess on free loopback ports, until ready;
+    yields its addresses; SIGTERM at the end, which must exit 0."""
     import signal
     import subprocess
     import sys
     import time
 
     http, grpc_port, metrics_port = _free_port(), _free_port(), _free_port()
-    cmd = [sys.executable, "-m", "folio.deploy.cli", "serve", "--model", model_dirs["llama"], "--num-workers", "2",
-           "--host", "127.0.0.1", "--http-port", str(http), "--grpc-port", str(grpc_port),
-           "--api-key", FOLIO_SERVER_KEY, "--max-num-requests", str(FOLIO_SERVER_LIMIT), "--block-size", "8",
-           "--num-kv-blocks", "48", "--max-model-len", "256", "--preemption-mode", "swap",
-           "--router", "least-loaded", "--namespace", "fe", "--grace-period-s", "2", "--metrics-port", str(metrics_port),
-           "--served-model-name", "llama", "tiny"]  # the directory's name, and "tiny" (the tests' alias)
+    cmd = [sys.executable, "-m", "folio.deploy.cli", "serve", "--model", model, "--host", "127.0.0.1",
+           "--http-port", str(http), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, RAY_AUTH_MODE="disabled"))
     lines = []
-    deadline = time.monotonic() + 240
-    while not any("folio serve: ready" in line for line in lines):
-        assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
-        lines.append(proc.stdout.readline())
+    deadline = time.monotonic() + ready_timeout_s
+    try:
+        while not any("folio serve: ready" in line for line in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            lines.append(proc.stdout.readline())
+    except BaseException:
+        proc.kill()
+        raise
     yield {"http": f"http://127.0.0.1:{http}", "grpc": f"127.0.0.1:{grpc_port}", "redis": redis_url_of(lines[-1]),
-           "model": model_dirs["llama"], "metrics": f"http://127.0.0.1:{metrics_port}", "pid": proc.pid,
-           "ready": lines[-1]}
+           "model": model, "metrics": f"http://127.0.0.1:{metrics_port}", "pid": proc.pid, "ready": lines[-1]}
     proc.send_signal(signal.SIGTERM)
     try:
         proc.communicate(timeout=60)
@@ -142,3 +141,15 @@ def folio_server(model_dirs):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0
+
+
+@pytest.fixture(scope="session")
+def folio_server(model_dirs):
+    """`folio serve` as a user runs it: two workers on the tiny Llama, API key on, admission
+    limit 6, 48 KV blocks of 8 tokens per worker (swap preemption), all three ports."""
+    with folio_serve(model_dirs["llama"], "--num-workers", "2", "--api-key", FOLIO_SERVER_KEY,
+                     "--max-num-requests", str(FOLIO_SERVER_LIMIT), "--block-size", "8", "--num-kv-blocks", "48",
+                     "--max-model-len", "256", "--preemption-mode", "swap", "--router", "least-loaded",
+                     "--namespace", "fe", "--grace-period-s", "2",
+                     "--served-model-name", "llama", "tiny") as server:  # the directory's name, and the alias
+        yield server

@@ -167,7 +167,7 @@ def test_tools_with_tool_choice_none_are_not_rendered(folio_server):
     for choice in (None, "auto", "required", {"type": "function", "function": {"name": "f"}}):
         body = {"messages": msgs, "tools": tools, **({"tool_choice": choice} if choice else {})}
         assert "no tool support" in refused(folio_server, "/v1/chat/completions", body, "tools")["message"]
-    refused(folio_server, "/v1/chat/completions", {"messages": msgs, "tools": tools, "stream": True}, "stream")
+    refused(folio_server, "/v1/chat/completions", {"messages": msgs, "tools": tools, "stream": True}, "tools")
     refused(folio_server, "/v1/chat/completions", {"messages": msgs, "tools": tools,
                                                    "tool_choice": {"type": "function", "function": {"name": "g"}}},
             "tool_choice")
