@@ -99,6 +99,49 @@ def test_unknown_architecture_and_missing_weights(model_dirs, tmp_path):
         LLM(str(tmp_path))
 
 
+def test_an_unreadable_weight_file_is_named_as_such(model_dirs, tmp_path):
+    """A checkpoint mounted for another user (a container's uid 1000, a 0600 file) gets the OS's
+    reason, not safetensors' "No such file or directory"."""
+    import subprocess
+    import sys
+
+    import tempfile
+
+    top = tempfile.mkdtemp(dir="/tmp")  # pytest's own tmp_path sits under a 0700 directory
+    try:
+        os.chmod(top, 0o755)
+        locked = os.path.join(top, "locked")
+        shutil.copytree(model_dirs["llama"], locked)
+        os.chmod(os.path.join(locked, "model.safetensors"), 0)
+        shut = os.path.join(top, "shut")
+        shutil.copytree(model_dirs["llama"], shut)
+        os.chmod(shut, 0)
+        code = ("import os, sys\n"
+                "from folio.worker.models.config import ModelConfig\n"
+                "from folio.worker.models.loader import load_state_dict\n"
+                "from folio.worker import ModelLoadError\n"
+                "if os.geteuid() == 0: os.setuid(65534)  # root reads anything: be nobody (imports done)\n"
+                "for load in (ModelConfig.from_dir, load_state_dict):\n"
+                "    try: load(sys.argv[1])\n"
+                "    except ModelLoadError as e: print(e)\n")
+        out = [subprocess.run([sys.executable, "-c", code, d], capture_output=True, text=True, timeout=120)
+               for d in (locked, shut)]
+        assert "cannot read weight file" in out[0].stdout and "Permission denied" in out[0].stdout, out[0]
+        assert out[1].stdout.count("Permission denied") == 2, out[1]  # the directory: config and weights
+    finally:
+        os.chmod(os.path.join(top, "shut"), 0o755)
+        shutil.rmtree(top)
+
+
+def test_a_config_that_is_not_json_is_a_model_load_error(model_dirs, tmp_path):
+    for text in ("{not json", "[1, 2]", "\xff\xfe"):
+        bad = tmp_path / f"bad{len(text)}"
+        shutil.copytree(model_dirs["llama"], bad)
+        (bad / "config.json").write_bytes(text.encode("latin-1"))
+        with pytest.raises(ModelLoadError, match="config.json"):
+            LLM(str(bad))
+
+
 def test_bad_engine_config(model_dirs):
     with pytest.raises(ConfigError, match="dtype"):
         EngineConfig(model=model_dirs["llama"], dtype="int8")

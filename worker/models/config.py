@@ -44,14 +44,23 @@ class ModelConfig:
 
         if not os.path.exists(path):
             raise ModelLoadError(f"{path!r} does not exist: give a checkpoint directory or a GGUF file")
-        gguf_file = gguf_loader.find_gguf(path)
+        cfg_path = os.path.join(path, "config.json")
+        try:
+            gguf_file = gguf_loader.find_gguf(path)
+            if gguf_file is None:
+                if not os.path.isfile(cfg_path):
+                    raise ModelLoadError(f"no config.json in {path!r}: not a Hugging Face checkpoint directory")
+                with open(cfg_path, encoding="utf-8") as f:
+                    try:
+                        c = json.load(f)
+                    except ValueError as e:  # not JSON (or not UTF-8)
+                        raise ModelLoadError(f"{cfg_path!r} is not valid JSON: {e}") from e
+        except OSError as e:  # a directory or file this user may not read
+            raise ModelLoadError(f"cannot read {e.filename or path!r}: {e.strerror}") from e
         if gguf_file is not None:
             return cls.from_dict(gguf_loader.config_dict(gguf_file))
-        cfg_path = os.path.join(path, "config.json")
-        if not os.path.isfile(cfg_path):
-            raise ModelLoadError(f"no config.json in {path!r}: not a Hugging Face checkpoint directory")
-        with open(cfg_path) as f:
-            c = json.load(f)
+        if not isinstance(c, dict):
+            raise ModelLoadError(f"{cfg_path!r} must hold a JSON object")
         return cls.from_dict(c)
 
     @classmethod

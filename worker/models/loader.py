@@ -36,11 +36,24 @@ def _weight_files(path: str) -> list[str]:
 
 
 def load_state_dict(path: str) -> dict[str, torch.Tensor]:
-    gguf_file = gguf_loader.find_gguf(path)
+    sd: dict[str, torch.Tensor] = {}
+    try:
+        gguf_file = gguf_loader.find_gguf(path)
+        if gguf_file is None:
+            try:
+                files = _weight_files(path)
+            except ValueError as e:
+                raise ModelLoadError(f"the weight index in {path!r} is not valid JSON: {e}") from e
+    except OSError as e:  # a directory or file this user may not read
+        raise ModelLoadError(f"cannot read {e.filename or path!r}: {e.strerror}") from e
     if gguf_file is not None:  # llama.cpp's format: dequantized, under Hugging Face names
         return gguf_loader.load_state_dict(gguf_file)
-    sd: dict[str, torch.Tensor] = {}
-    for f in _weight_files(path):
+    for f in files:
+        try:  # safetensors reports an unreadable file as "No such file or directory": ask the OS first
+            with open(f, "rb"):
+                pass
+        except OSError as e:
+            raise ModelLoadError(f"cannot read weight file {f!r}: {e.strerror}") from e
         try:
             with safe_open(f, framework="pt", device="cpu") as st:
                 for k in st.keys():
