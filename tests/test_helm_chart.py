@@ -207,6 +207,19 @@ def test_dockerfile_parses_and_runs_folio_as_non_root():
                 assert os.path.exists(os.path.join(ROOT, src)), src
 
 
+def test_dockerfile_names_no_ppa_or_download_host_but_in_build_arguments():
+    import re
+
+    ins = dockerfile_instructions(os.path.join(ROOT, "deploy", "Dockerfile"))
+    for k, a in ins:
+        if k != "ARG":
+            assert not re.search(r"https?://|ppa:|add-apt-repository|deadsnakes", a), (k, a)
+    args = {a.split("=", 1)[0] for k, a in ins if k == "ARG"}
+    assert {"BASE", "TORCH_INDEX", "PIP_INDEX", "PIP_FIND_LINKS", "PIP_CERT"} <= args
+    run = " ".join(a for k, a in ins if k == "RUN")
+    assert "python3 -m venv" in run and "python3.1" not in run  # the distribution's own Python
+
+
 def test_build_context_excludes_tests_venvs_and_results():
     patterns = [p.strip() for p in open(os.path.join(ROOT, ".dockerignore")) if p.strip() and not p.startswith("#")]
 
