@@ -190,13 +190,19 @@ def paged_attention(
     if plan is None:
         plan = plan_attention(block_tables, seq_lens, query_start_loc, block_size, kv_bytes_per_token(k_cache))
     out = torch.empty_like(q) if out is None else out
+    num_heads = q.shape[1]
+    group = num_heads // num_kv_heads
     for c in plan.decode:
         n, T = c.rows.shape[0], c.num_blocks * block_size
         k = _gather(k_cache, c.blocks, 0).view(n, T, num_kv_heads, head_dim).transpose(1, 2)  # [n, KVH, T, D]
         v = _gather(v_cache, c.blocks, 1).view(n, T, num_kv_heads, head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q.index_select(0, c.rows)[:, :, None, :], k, v, attn_mask=c.mask,
-                                           scale=scale, enable_gqa=True)  # [n, H, 1, D]
-        out.index_copy_(0, c.rows, o[:, :, 0, :])
+        # GQA folded into the query axis: the `group` query heads of a KV head (heads h = j * group + g,
+        # as transformers' repeat_kv orders them) are `group` queries of one attention over that KV
+        # head's context, at one position, so one mask serves them all: no K/V repeated per head, and
+        # small matrix products instead of vector ones.
+        qg = q.index_select(0, c.rows).view(n, num_kv_heads, group, head_dim)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=c.mask, scale=scale)  # [n, KVH, group, D]
+        out.index_copy_(0, c.rows, o.reshape(n, num_heads, head_dim))
     for p in plan.prefill:
         nb = p.blocks.shape[0]
         k = _gather(k_cache, p.blocks, 0).view(1, nb * block_size, num_kv_heads, head_dim)[:, : p.ctx]
