@@ -27,6 +27,18 @@ def test_onednn_matches_f_linear(rows, bias):
     torch.testing.assert_close(Linear(w, b, "torch")(x), ref, rtol=0, atol=0)
 
 
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU has no bf16 instructions")
+@pytest.mark.parametrize("rows", [1, 64, 300])
+def test_onednn_bf16_matches_f_linear(rows):
+    g = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(96, 40, generator=g).bfloat16(), torch.randn(96, generator=g).bfloat16()
+    x = torch.randn(rows, 40, generator=g).bfloat16()
+    out = Linear(w, b, "onednn")(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 96)
+    torch.testing.assert_close(out, F.linear(x, w, b))  # bf16's own tolerance
+    torch.testing.assert_close(out.float(), F.linear(x.float(), w.float(), b.float()), rtol=2e-2, atol=2e-1)
+
+
 def test_non_contiguous_input():
     w = torch.randn(32, 16)
     x = torch.randn(5, 48)[:, 8:24]  # a column slice: rows not adjacent
@@ -38,7 +50,8 @@ def test_backend_choice(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.delenv("FOLIO_LINEAR_BACKEND", raising=False)
     assert backend_name(cpu, torch.float32) == "onednn"
-    assert backend_name(cpu, torch.bfloat16) == "torch"
+    assert backend_name(cpu, torch.bfloat16) == ("onednn" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "torch")
+    assert backend_name(cpu, torch.float16) == "torch"
     assert backend_name(torch.device("cuda"), torch.float32) == "torch"
     monkeypatch.setenv("FOLIO_LINEAR_BACKEND", "torch")
     assert backend_name(cpu, torch.float32) == "torch"
