@@ -204,6 +204,42 @@ def test_smollm2_matches_hf(smollm2_hf, block_size, num_kv_blocks, swap):
     llm.engine.check_invariants()
 
 
+BF16_PROMPTS = ["The quick brown fox", "def fibonacci(n):", "The capital of France is", "Once upon a time",
+                "import numpy as np", "Water boils at", "My favourite book is", "1, 2, 3, 4,"]
+
+
+@needs_smollm2
+def test_smollm2_bfloat16_stays_close_to_hf_bfloat16(smollm2_hf):
+    """bfloat16 weights and KV against transformers in bfloat16 (the same float32 weights, cast):
+    the two round differently (fused vs. separate ops, oneDNN's summation order), so greedy paths
+    may part. Tolerance, vLLM's `check_logprobs_close`: up to the first token that differs they
+    are equal, and there each side's token is among the other's 5 most likely. Measured here:
+    10 of 20 prompts identical over 24 tokens, mean first divergence 17.75 (one at the first
+    token); the assertions below ask for that closeness, not for identity."""
+    import copy
+
+    tok, model = smollm2_hf
+    hf16 = copy.deepcopy(model).to(torch.bfloat16)
+    n, k = 16, 5
+    llm = LLM(SMOLLM2, dtype="bfloat16", block_size=16, num_kv_blocks=128, max_model_len=64)
+    outs = llm.generate(BF16_PROMPTS, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=k))
+    firsts = []
+    for p, o in zip(BF16_PROMPTS, outs):
+        ids = tok(p, return_tensors="pt").input_ids
+        with torch.no_grad():
+            gen = hf16.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                                output_scores=True, return_dict_in_generate=True)
+        ref = gen.sequences[0, ids.shape[1]:].tolist()
+        ours = o.outputs[0].token_ids
+        at = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), n)
+        firsts.append(at)
+        if at < n:
+            hf_top = gen.scores[at][0].float().topk(k).indices.tolist()
+            assert ours[at] in hf_top and ref[at] in o.outputs[0].logprobs[at], (p, at, ours, ref)
+    assert sum(f == n for f in firsts) >= len(firsts) // 4 and sum(firsts) / len(firsts) >= n / 3, firsts
+    llm.engine.check_invariants()
+
+
 @needs_smollm2
 def test_smollm2_request_migrates_between_two_workers(smollm2_hf, tmp_path):
     """Two workers (step threads, the router, in one process) serve SmolLM2; a greedy request
