@@ -120,10 +120,10 @@ def run_hf_static(model: str, reqs, batch_size: int) -> dict:
     }
 
 
-def profile_decode_step(model: str, batch: int, prompt_len: int, steps: int) -> dict:
+def profile_decode_step(model: str, batch: int, prompt_len: int, steps: int, dtype: str = "float32") -> dict:
     """Time the phases of decode steps at a fixed batch; 'overhead' is everything but the forward."""
     llm = LLM(model, block_size=16, num_kv_blocks=batch * (prompt_len + steps + 32) // 16 + 16,
-              max_model_len=2048, max_num_seqs=batch)
+              max_model_len=2048, max_num_seqs=batch, dtype=dtype)
     eng = llm.engine
     rng = random.Random(1)
     for i in range(batch):

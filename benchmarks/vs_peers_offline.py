@@ -2,6 +2,12 @@
 machine, same tiny model, same threads, measured in alternation (A B C A B C ...).
 
     python benchmarks/vs_peers_offline.py --model models/tiny-llama-8l [--rounds 2] [--setup-vllm]
+    python benchmarks/vs_peers_offline.py --model path/to/SmolLM2-135M-Instruct.Q4_1.gguf --dtype bfloat16
+
+A GGUF file is dequantized once, by transformers' own GGUF reader, into a float32 Hugging Face
+directory under models/ (vLLM's CPU build has no GGUF kernels), and every peer runs that
+directory: the same weights everywhere. --dtype runs every peer at float32 or bfloat16; the
+FLOP ceilings use the measured matmul peak of that dtype.
 
 Workloads: "fixed" (64 prompts x 128 tokens -> 128 tokens, EOS ignored) and "mixed"
 (the engine benchmark's 200 log-normal requests with an 8,192-token KV budget; HF runs
@@ -48,10 +54,10 @@ def workload(name: str, vocab: int, seed: int = 0) -> list[tuple[list[int], int]
 
 
 # ---- the three runners (each in its own process) --------------------------------------------
-def run_folio(model, reqs, kv_tokens):
+def run_folio(model, reqs, kv_tokens, dtype):
     from folio.worker import LLM, SamplingParams
 
-    llm = LLM(model, block_size=16, num_kv_blocks=kv_tokens // 16, max_model_len=MAX_MODEL_LEN, max_num_seqs=256,
+    llm = LLM(model, dtype=dtype, block_size=16, num_kv_blocks=kv_tokens // 16, max_model_len=MAX_MODEL_LEN, max_num_seqs=256,
               enable_prefix_caching=False)
     llm.generate([reqs[0][0][:16]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True, detokenize=False) for _, o in reqs]
@@ -60,11 +66,11 @@ def run_folio(model, reqs, kv_tokens):
     return time.perf_counter() - t0, [o.token_ids for o in outs]
 
 
-def run_vllm(model, reqs, kv_tokens):
+def run_vllm(model, reqs, kv_tokens, dtype):
     from vllm import LLM, SamplingParams
 
     # vLLM's CPU attention takes block sizes that are multiples of 32: the same KV budget in tokens
-    llm = LLM(model=model, dtype="float32", max_model_len=MAX_MODEL_LEN, block_size=32, max_num_seqs=256,
+    llm = LLM(model=model, dtype=dtype, max_model_len=MAX_MODEL_LEN, block_size=32, max_num_seqs=256,
               num_gpu_blocks_override=kv_tokens // 32, enable_prefix_caching=False, seed=0)
     llm.generate([{"prompt_token_ids": reqs[0][0][:16]}], SamplingParams(max_tokens=4, temperature=0.0,
                                                                          ignore_eos=True), use_tqdm=False)
@@ -87,11 +93,11 @@ def hf_model(model: str, dtype):
     return AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
 
 
-def run_hf(model, reqs, kv_tokens, batch=64):
+def run_hf(model, reqs, kv_tokens, dtype, batch=64):
     import torch
     from transformers import GenerationConfig
 
-    hf = hf_model(model, torch.float32)
+    hf = hf_model(model, getattr(torch, dtype))
     pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
     cfg = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=pad, bos_token_id=None)
     outs = []
@@ -112,32 +118,69 @@ def run_hf(model, reqs, kv_tokens, batch=64):
     return time.perf_counter() - t0, outs
 
 
-def physical_limit(model) -> dict:
-    """Peak fp32 matmul FLOP/s through torch here, and what Folio's decode step achieves."""
+def matmul_peak(dtype: str = "float32", n: int = 2048) -> float:
+    """The best of five timings of an n x n matmul in `dtype` through torch, in FLOP/s: this
+    shared machine's neighbours only ever slow it down."""
     import torch
 
-    from folio.worker.models.config import ModelConfig
-    sys.path.insert(0, HERE)
-    from offline_throughput import profile_decode_step
-
-    n = 2048
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = torch.randn(n, n, dtype=getattr(torch, dtype)), torch.randn(n, n, dtype=getattr(torch, dtype))
     a @ b
     best = float("inf")
-    for _ in range(5):  # the best of five: this shared machine's neighbours only ever slow it down
+    for _ in range(5):
         t0 = time.perf_counter()
         for _ in range(4):
             a @ b
         best = min(best, (time.perf_counter() - t0) / 4)
-    peak = 2 * n ** 3 / best
+    return 2 * n ** 3 / best
+
+
+def physical_limit(model, dtype: str = "float32") -> dict:
+    """Peak matmul FLOP/s of `dtype` through torch here, and what Folio's decode step achieves."""
+    from folio.worker.models.config import ModelConfig
+    sys.path.insert(0, HERE)
+    from offline_throughput import profile_decode_step
+
+    peak = matmul_peak(dtype)
     batch, ctx = 64, 128
-    step = profile_decode_step(model, batch, ctx, 20)
+    step = profile_decode_step(model, batch, ctx, 20, dtype)
     body, head, attn = flop_terms(ModelConfig.from_dir(model))
     flops = batch * (body + head + attn * (ctx + 10))
     achieved = flops / (step["ms_per_step"] / 1e3)
-    return {"matmul_fp32_gflops": round(peak / 1e9, 1), "decode_step_ms_batch64": step["ms_per_step"],
+    return {"dtype": dtype, "matmul_gflops": round(peak / 1e9, 1),
+            "matmul_fp32_gflops": round(matmul_peak("float32") / 1e9, 1),
+            "decode_step_ms_batch64": step["ms_per_step"], "decode_ms_per_phase": step["ms_per_phase"],
             "decode_gflop_per_step": round(flops / 1e9, 3), "decode_achieved_gflops": round(achieved / 1e9, 1),
             "decode_fraction_of_peak": round(achieved / peak, 3)}
+
+
+def dequantized_dir(model: str) -> str:
+    """A float32 Hugging Face directory of a GGUF file (made once under models/), else `model`."""
+    from folio.worker.models.gguf_loader import find_gguf
+
+    gguf_file = find_gguf(model)
+    if gguf_file is None:
+        return model
+    out = os.path.join(ROOT, "models", os.path.basename(gguf_file).rsplit(".", 1)[0] + "-f32")
+    if not os.path.exists(os.path.join(out, "config.json")):
+        import torch
+        from transformers import AutoTokenizer
+
+        d, name = os.path.dirname(gguf_file), os.path.basename(gguf_file)
+        from transformers import AutoModelForCausalLM
+
+        loaded = hf_model(gguf_file, torch.float32)  # transformers will not save a model read from GGUF:
+        config = loaded.config
+        config.quantization_config = None  # the weights are float32 now
+        del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # a plain one, same weights
+        plain.load_state_dict(loaded.state_dict())
+        plain.save_pretrained(out + ".tmp")
+        with open(os.path.join(out + ".tmp", "config.json")) as f:
+            saved = json.load(f)
+        assert "quantization_config" not in saved, saved
+        AutoTokenizer.from_pretrained(d, gguf_file=name).save_pretrained(out + ".tmp")
+        os.rename(out + ".tmp", out)
+    return out
 
 
 def flop_terms(mc) -> tuple[int, int, int]:
@@ -167,7 +210,7 @@ def workload_ceiling(model: str, reqs, peak_flops: float) -> dict:
 def child(args) -> None:
     reqs = json.load(open(args.reqs))
     fn = {"folio": run_folio, "vllm": run_vllm, "hf": run_hf}[args.role]
-    seconds, tokens = fn(args.model, reqs, args.kv_tokens)
+    seconds, tokens = fn(args.model, reqs, args.kv_tokens, args.dtype)
     assert [len(t) for t in tokens] == [o for _, o in reqs], "every request must produce its output length"
     json.dump({"seconds": seconds, "tokens": tokens}, open(args.result, "w"))
 
@@ -198,7 +241,8 @@ def main() -> None:
     ap.add_argument("--setup-vllm", action="store_true")
     ap.add_argument("--peers", default="folio,vllm,hf")
     ap.add_argument("--workloads", default="fixed,mixed")
-    ap.add_argument("--out", default=os.path.join(RESULTS, "vs_peers_offline.json"))
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--out", default=None, help="default: results/vs_peers_offline[_<model>][_<dtype>].json")
     ap.add_argument("--role", help=argparse.SUPPRESS)
     ap.add_argument("--reqs", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -209,12 +253,19 @@ def main() -> None:
         return child(args)
     if args.setup_vllm:
         setup_vllm()
+    source = args.model
+    args.model = dequantized_dir(args.model)
+    if args.out is None:
+        tag = "" if args.model == source else "_" + os.path.basename(args.model)
+        tag += "" if args.dtype == "float32" else "_" + args.dtype
+        args.out = os.path.join(RESULTS, f"vs_peers_offline{tag}.json")
     from folio.worker.detokenizer import load_tokenizer  # a checkpoint directory or a GGUF file
 
     vocab = len(load_tokenizer(args.model))
     peers = args.peers.split(",")
     python = {"folio": sys.executable, "hf": sys.executable, "vllm": os.path.join(VLLM_VENV, "bin", "python")}
     doc = {"benchmark": "vs_peers_offline", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": args.model,
+           "source": source, "dtype": args.dtype,
            "command": " ".join(["python"] + sys.argv), "threads": 2, "workloads": {}}
     tmp = os.path.join("/tmp", f"folio-peers-{os.getpid()}")
     os.makedirs(tmp, exist_ok=True)
@@ -229,7 +280,7 @@ def main() -> None:
             for peer in peers:  # alternated: drift on this shared machine hits every peer alike
                 res = os.path.join(tmp, f"{peer}.json")
                 cmd = [python[peer], os.path.abspath(__file__), "--model", args.model, "--role", peer, "--reqs",
-                       os.path.join(tmp, "reqs.json"), "--result", res, "--kv-tokens", str(kv)]
+                       os.path.join(tmp, "reqs.json"), "--result", res, "--kv-tokens", str(kv), "--dtype", args.dtype]
                 p = subprocess.run(cmd, env=ENV, capture_output=True, text=True, cwd=tmp)
                 if p.returncode != 0:
                     raise SystemExit(f"{peer} failed on {wl}:\n{p.stderr[-3000:]}")
@@ -250,8 +301,8 @@ def main() -> None:
                                          if p != "folio"}
         doc["workloads"][wl] = entry
     if "folio" in peers:
-        doc["physical_limit"] = physical_limit(args.model)
-        peak = doc["physical_limit"]["matmul_fp32_gflops"] * 1e9
+        doc["physical_limit"] = physical_limit(args.model, args.dtype)
+        peak = doc["physical_limit"]["matmul_gflops"] * 1e9
         for wl, entry in doc["workloads"].items():
             entry["ceiling"] = workload_ceiling(args.model, workload(wl, vocab), peak)
             for p, v in entry["output_tokens_per_s"].items():
