@@ -277,7 +277,8 @@ def main() -> None:
         per_round: dict[str, list[float]] = {p: [] for p in peers}
         tokens: dict[str, list] = {}
         for r in range(args.rounds):
-            for peer in peers:  # alternated: drift on this shared machine hits every peer alike
+            # alternated, A B then B A: drift on this shared machine hits every peer alike
+            for peer in (peers if r % 2 == 0 else peers[::-1]):
                 res = os.path.join(tmp, f"{peer}.json")
                 cmd = [python[peer], os.path.abspath(__file__), "--model", args.model, "--role", peer, "--reqs",
                        os.path.join(tmp, "reqs.json"), "--result", res, "--kv-tokens", str(kv), "--dtype", args.dtype]
