@@ -1,0 +1,72 @@
+"""Where an engine step's time goes: the torch profiler over decode steps at a fixed batch (or
+one prefill step), grouped by op and input shape.
+
+    python benchmarks/profile_step.py --model DIR_OR_GGUF [--dtype bfloat16] [--batch 64]
+        [--context 128] [--steps 10] [--prefill] [--rows 16]
+
+It first times `--steps` steps without the profiler (the figure to compare between changes,
+in an interleaved A/B: this machine drifts), then profiles as many and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=128, help="prompt tokens per request")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--prefill", action="store_true", help="profile one prefill step instead of decode steps")
+    ap.add_argument("--rows", type=int, default=16, help="rows of the profiler's table")
+    args = ap.parse_args()
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from folio.worker import LLM, SamplingParams
+
+    per_seq = args.context + 3 * args.steps + 32
+    llm = LLM(args.model, dtype=args.dtype, block_size=16, num_kv_blocks=args.batch * per_seq // 16 + 64,
+              max_model_len=2048, max_num_seqs=256, enable_prefix_caching=False)
+    eng = llm.engine
+    vocab = len(llm.tokenizer)
+    rng = random.Random(0)
+    for i in range(args.batch):
+        eng.add_request(f"r{i}", [rng.randrange(16, vocab) for _ in range(args.context)],
+                        SamplingParams(max_tokens=3 * args.steps + 8, temperature=0.0, ignore_eos=True,
+                                       detokenize=False))
+    if args.prefill:
+        eng.step()  # the first chunk: warm-up
+        what = "prefill step"
+        n = 1
+    else:
+        while eng.scheduler.num_waiting or any(s.num_computed_tokens < s.num_prompt_tokens
+                                               for s in eng.scheduler.running):
+            eng.step()
+        for _ in range(3):
+            eng.step()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            eng.step()
+        ms = (time.perf_counter() - t0) / args.steps * 1e3
+        print(f"{args.dtype} decode step at batch {args.batch}: {ms:.1f} ms -> {args.batch / ms * 1e3:.0f} tok/s")
+        what = f"{args.steps} decode steps"
+        n = args.steps
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(n):
+            eng.step()
+    print(f"torch profiler, {what}:")
+    print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=args.rows,
+                                                             max_name_column_width=36))
+
+
+if __name__ == "__main__":
+    main()
