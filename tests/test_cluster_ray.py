@@ -130,8 +130,17 @@ def test_policies_route_as_specified(cluster, tokenizer):
             await run(cluster.router, GenerateRequest("seed", prefix + [5], SamplingParams(max_tokens=2)),
                       worker_id="w1")
             hashes = hash_full_blocks(prefix, 8)
+            seeded = time.time()
             for _ in range(100):
                 if state.prefix_matches(["w0", "w1"], hashes)["w1"] == 8:
+                    break
+                await asyncio.sleep(0.02)
+            # and loads measured after the seed ended: the heartbeat that published its blocks may
+            # have been taken while it ran, showing w1 loaded (then w0 is the right pick: failed
+            # once in a clean-clone CI run with ['w0', 'w1', 'w1'])
+            for _ in range(200):
+                loads = state.live_loads()
+                if all(l.timestamp > seeded and not (l.num_running or l.num_waiting) for l in loads.values()):
                     break
                 await asyncio.sleep(0.02)
             hits_before = stats(cluster)["w1"]["prefix_cache_hits"]
