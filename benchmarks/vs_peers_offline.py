@@ -170,8 +170,7 @@ def dequantized_dir(model: str) -> str:
 
         loaded = hf_model(gguf_file, torch.float32)  # transformers will not save a model read from GGUF:
         config = loaded.config
-        config.quantization_config = None  # the weights are float32 now
-        del config.quantization_config
+        del config.quantization_config  # the weights are float32 now
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # a plain one, same weights
         plain.load_state_dict(loaded.state_dict())
         plain.save_pretrained(out + ".tmp")

@@ -347,7 +347,7 @@ async def _sse(events, run, rid, obj, created, model, chat, req, frontend) -> As
                 lengths[i] = 0
                 text, calls, reason = d.text, [], d.finish_reason
                 if plan.mode != "none":
-                    parser = tools.get(i) or tools.setdefault(i, plan.stream())
+                    parser = tools.get(i) or tools.setdefault(i, plan.stream())  # made once per choice
                     text, calls = parser.feed(d.text)
                     if reason is not None:
                         more, last = parser.finish()

@@ -9,6 +9,11 @@ from dataclasses import dataclass
 from folio.worker.errors import ModelLoadError
 from folio.worker.models.rope import SUPPORTED_ROPE_TYPES
 
+def unreadable(e: OSError, path: str, what: str = "") -> ModelLoadError:
+    """A checkpoint this user may not read (a directory or file), with the OS's reason."""
+    return ModelLoadError(f"cannot read {what}{e.filename or path!r}: {e.strerror}")
+
+
 # architecture -> (qkv bias, o_proj bias) rule; Llama reads `attention_bias` for both
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # a config.json without "architectures" names its family by model_type, as transformers reads it
@@ -47,18 +52,20 @@ class ModelConfig:
         cfg_path = os.path.join(path, "config.json")
         try:
             gguf_file = gguf_loader.find_gguf(path)
-            if gguf_file is None:
-                if not os.path.isfile(cfg_path):
-                    raise ModelLoadError(f"no config.json in {path!r}: not a Hugging Face checkpoint directory")
-                with open(cfg_path, encoding="utf-8") as f:
-                    try:
-                        c = json.load(f)
-                    except ValueError as e:  # not JSON (or not UTF-8)
-                        raise ModelLoadError(f"{cfg_path!r} is not valid JSON: {e}") from e
-        except OSError as e:  # a directory or file this user may not read
-            raise ModelLoadError(f"cannot read {e.filename or path!r}: {e.strerror}") from e
+            raw = None
+            if gguf_file is None and os.path.isfile(cfg_path):
+                with open(cfg_path, "rb") as f:
+                    raw = f.read()
+        except OSError as e:
+            raise unreadable(e, path) from e
         if gguf_file is not None:
             return cls.from_dict(gguf_loader.config_dict(gguf_file))
+        if raw is None:
+            raise ModelLoadError(f"no config.json in {path!r}: not a Hugging Face checkpoint directory")
+        try:
+            c = json.loads(raw)
+        except ValueError as e:  # not JSON (or not UTF-8)
+            raise ModelLoadError(f"{cfg_path!r} is not valid JSON: {e}") from e
         if not isinstance(c, dict):
             raise ModelLoadError(f"{cfg_path!r} must hold a JSON object")
         return cls.from_dict(c)

@@ -15,7 +15,7 @@ from folio.kernels import get_ops
 from folio.kernels.linear import Linear, backend_name
 from folio.worker.errors import ModelLoadError
 from folio.worker.models import gguf_loader
-from folio.worker.models.config import ModelConfig
+from folio.worker.models.config import ModelConfig, unreadable
 from folio.worker.models.llama import LayerWeights, LlamaModel
 
 
@@ -36,28 +36,24 @@ def _weight_files(path: str) -> list[str]:
 
 
 def load_state_dict(path: str) -> dict[str, torch.Tensor]:
-    sd: dict[str, torch.Tensor] = {}
     try:
         gguf_file = gguf_loader.find_gguf(path)
-        if gguf_file is None:
-            try:
-                files = _weight_files(path)
-            except ValueError as e:
-                raise ModelLoadError(f"the weight index in {path!r} is not valid JSON: {e}") from e
-    except OSError as e:  # a directory or file this user may not read
-        raise ModelLoadError(f"cannot read {e.filename or path!r}: {e.strerror}") from e
+        files = [] if gguf_file is not None else _weight_files(path)
+    except OSError as e:
+        raise unreadable(e, path) from e
+    except ValueError as e:  # model.safetensors.index.json
+        raise ModelLoadError(f"the weight index in {path!r} is not valid JSON: {e}") from e
     if gguf_file is not None:  # llama.cpp's format: dequantized, under Hugging Face names
         return gguf_loader.load_state_dict(gguf_file)
+    sd: dict[str, torch.Tensor] = {}
     for f in files:
-        try:  # safetensors reports an unreadable file as "No such file or directory": ask the OS first
-            with open(f, "rb"):
-                pass
-        except OSError as e:
-            raise ModelLoadError(f"cannot read weight file {f!r}: {e.strerror}") from e
         try:
+            open(f, "rb").close()  # safetensors reports an unreadable file as "No such file or directory"
             with safe_open(f, framework="pt", device="cpu") as st:
                 for k in st.keys():
                     sd[k] = st.get_tensor(k)
+        except OSError as e:
+            raise unreadable(e, f, "weight file ") from e
         except Exception as e:  # a truncated or foreign file
             raise ModelLoadError(f"cannot read weight file {f!r}: {e}") from e
     return sd
