@@ -70,7 +70,7 @@ class EngineWorker:
         self._moving: dict[str, tuple] = {}  # exported, not yet settled: rid -> (destination, state, move id)
         self._move_ids = itertools.count()
         self._arrivals: dict[str, list[asyncio.Event]] = {}  # attach() waiting for an import: rid -> events
-        self.engine = engine_factory()
+        self.engine: Any = None  # built by the step thread (_step_loop), before __init__ returns
         self.heartbeat_s = heartbeat_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -92,9 +92,12 @@ class EngineWorker:
         self._step_started: float | None = None  # monotonic start of the step running now
         self._heartbeat = (Heartbeat(publisher_factory(), f"folio-pub-{worker_id}", alive=self._alive)
                            if publisher_factory is not None else None)
-        self._threads = [threading.Thread(target=self._step_loop, name=f"folio-step-{worker_id}", daemon=True)]
+        built: concurrent.futures.Future = concurrent.futures.Future()
+        self._threads = [threading.Thread(target=self._step_loop, args=(engine_factory, built),
+                                          name=f"folio-step-{worker_id}", daemon=True)]
         for t in self._threads:
             t.start()
+        built.result()  # the factory's exception, if it raised (the thread has ended then)
 
     # ---- the async API ------------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
@@ -508,7 +511,7 @@ class EngineWorker:
                 q.put_nowait(item)
 
     # ---- the step loop ------------------------------------------------------------------
-    def _step_loop(self) -> None:
+    def _step_loop(self, engine_factory: Callable[[], Any], built: concurrent.futures.Future) -> None:
         # OpenMP's thread count is per OS thread, and a new thread starts from OMP_NUM_THREADS,
         # which Ray sets to the actor's num_cpus (1 for a fractional CPU): without this the
         # forward ran on one core, at half speed, while torch.get_num_threads() said 2.
@@ -516,7 +519,15 @@ class EngineWorker:
 
         torch.set_num_threads(torch.get_num_threads())
         self._step_thread = threading.current_thread()
-        engine = self.engine
+        # The engine is built here, on the thread that runs it: an engine loaded (and its
+        # linear layers warmed up) on another thread left that thread's OpenMP pool beside
+        # this one's, and every step ran 10-15 % slower (benchmarks/step_thread.py).
+        try:
+            self.engine = engine = engine_factory()
+        except BaseException as e:
+            built.set_exception(e)
+            return
+        built.set_result(None)
         next_beat = 0.0
         while not self._stop:
             self._run_commands()
