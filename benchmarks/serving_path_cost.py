@@ -93,10 +93,14 @@ def engine_config(model):
     return EngineConfig(model=os.path.abspath(model), block_size=16, num_kv_blocks=KV_BLOCKS, max_model_len=1024)
 
 
-def run_inprocess(model) -> dict:
+def run_inprocess(model, threads=None) -> dict:
+    import torch
+
     from folio.worker import LLMEngine
     from folio.worker.actor import EngineWorker
 
+    if threads:
+        torch.set_num_threads(threads)
     w = EngineWorker("w0", functools.partial(LLMEngine, engine_config(model)), None)
 
     async def timings():
@@ -108,7 +112,7 @@ def run_inprocess(model) -> dict:
         w.shutdown()
 
 
-def run_ray(model) -> dict:
+def run_ray(model, threads=None) -> dict:
     import ray
 
     from folio.cluster.app import make_engine
@@ -120,7 +124,7 @@ def run_ray(model) -> dict:
     try:
         h = ray.remote(EngineWorker).options(name=actor_name("cost", "w0"), namespace="cost", num_gpus=1,
                                              num_cpus=0.5, max_concurrency=1000).remote(
-            "w0", functools.partial(make_engine, engine_config(model), os.cpu_count()), None, 0.1)
+            "w0", functools.partial(make_engine, engine_config(model), threads or os.cpu_count()), None, 0.1)
         ray.get(h.ping.remote())
         client = RayWorkerClient("cost", "cost")
 
@@ -174,13 +178,14 @@ def cpu_by_role(root: int) -> dict:
 SERVE_ENV = dict(os.environ, RAY_AUTH_MODE="disabled", HF_HUB_OFFLINE="1")
 
 
-def run_serve(model, grpc: bool = False) -> dict:
+def run_serve(model, threads=None, grpc: bool = False) -> dict:
     port, grpc_port = free_port(), free_port()
     log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
     srv = subprocess.Popen([sys.executable, "-m", "folio.deploy.cli", "serve", "--model", model, "--num-workers", "1",
                             "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", str(grpc_port), "--block-size", "16",
                             "--num-kv-blocks", str(KV_BLOCKS), "--max-model-len", "1024", "--max-num-requests", "1024",
-                            "--namespace", f"cost{os.getpid()}", "--grace-period-s", "1"],
+                            "--namespace", f"cost{os.getpid()}", "--grace-period-s", "1"]
+                           + (["--torch-threads", str(threads)] if threads else []),
                            env=SERVE_ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     target = f"grpc://127.0.0.1:{grpc_port}" if grpc else f"http://127.0.0.1:{port}"
     return _drive_server(srv, port, target)
@@ -258,7 +263,7 @@ def vllm_args(model: str) -> dict:
                 num_gpu_blocks_override=KV_BLOCKS * 16 // 32, seed=0)
 
 
-def run_vllm_offline(model) -> dict:
+def run_vllm_offline(model, threads=None) -> dict:
     """vLLM's offline LLM on the same requests, `streams` at a time (max_num_seqs), as the
     in-process mode runs them: the reference the served vLLM is measured against."""
     from vllm import LLM, SamplingParams
@@ -277,7 +282,7 @@ def run_vllm_offline(model) -> dict:
     return res
 
 
-def run_vllm_serve(model) -> dict:
+def run_vllm_serve(model, threads=None) -> dict:
     """`vllm serve` (its OpenAI server: API process + engine-core process), driven by the same
     `folio bench` command as Folio's HTTP mode."""
     port = free_port()
@@ -296,7 +301,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--modes", default="inprocess,ray,serve-grpc,serve",
-                    help="also vllm-offline,vllm-serve: vLLM's served / offline ratio at the same load")
+                    help="also vllm-offline,vllm-serve: vLLM's served / offline ratio at the same load; "
+                         "MODE@N runs Folio's engine on N torch threads (default: every core)")
     ap.add_argument("--streams", default="16,64", help="concurrent streams, comma-separated")
     ap.add_argument("--abba", action="store_true", help="run the modes in order, then in reverse; average")
     ap.add_argument("--role", help=argparse.SUPPRESS)
@@ -304,10 +310,11 @@ def main() -> int:
     args = ap.parse_args()
     STREAMS[:] = [int(x) for x in args.streams.split(",")]
     if args.role:  # one mode, in a fresh process
+        name, _, threads = args.role.partition("@")  # mode@N: N torch threads for Folio's engine
         fn = {"inprocess": run_inprocess, "ray": run_ray, "serve": run_serve,
               "serve-grpc": functools.partial(run_serve, grpc=True), "vllm-offline": run_vllm_offline,
-              "vllm-serve": run_vllm_serve}[args.role]
-        print("RESULT " + json.dumps(fn(args.model)))
+              "vllm-serve": run_vllm_serve}[name]
+        print("RESULT " + json.dumps(fn(args.model, int(threads) if threads else None)))
         return 0
     doc = {"benchmark": "serving_path_cost", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
            "command": " ".join(["python"] + sys.argv),
@@ -318,7 +325,7 @@ def main() -> int:
     if any(m.startswith("vllm") for m in modes) and not os.path.exists(VLLM_PY):
         raise SystemExit("no vLLM venv: run benchmarks/vs_peers_offline.py --setup-vllm first")
     for mode in order:
-        vllm = mode == "vllm-offline"  # in vLLM's venv, outside the checkout (its kernels/ shadows vLLM's)
+        vllm = mode.startswith("vllm-offline")  # in vLLM's venv, outside the checkout (its kernels/ shadows vLLM's)
         p = subprocess.run([VLLM_PY if vllm else sys.executable, os.path.abspath(__file__),
                             "--model", os.path.abspath(args.model), "--role", mode, "--streams", args.streams],
                            capture_output=True, text=True, cwd=tempfile.gettempdir() if vllm else None,

@@ -39,6 +39,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="block_major: a block's KV for all layers contiguous (fast swaps); layer_major: "
                         "a layer's blocks contiguous (faster CPU attention gathers)")
     p.add_argument("--worker-num-cpus", type=float, default=0.5)
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="CPU threads per worker's forward (default: the cores / --num-workers)")
     p.add_argument("--grace-period-s", type=float, default=30.0, help="drain time on SIGINT/SIGTERM")
     p.add_argument("--host", default="127.0.0.1",
                    help="the address everything started here listens on: HTTP, gRPC, metrics and a Ray started "
@@ -67,6 +69,10 @@ def cluster_config(args):
                   kv_cache_memory_gb=args.kv_cache_memory_gb, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, dtype=args.dtype, preemption_mode=args.preemption_mode,
                   swap_space_gb=args.swap_space_gb, kv_cache_layout=args.kv_cache_layout)
+    if args.torch_threads is not None and args.torch_threads < 1:
+        from folio.worker.errors import ConfigError
+
+        raise ConfigError(f"--torch-threads must be at least 1, got {args.torch_threads}")
     if args.tokenizer is not None:  # absolute: the workers and the frontends run in other processes
         if not os.path.exists(args.tokenizer):
             from folio.worker.errors import ModelLoadError
@@ -75,7 +81,7 @@ def cluster_config(args):
         engine["tokenizer"] = os.path.abspath(args.tokenizer)
     return ClusterConfig(model=args.model, num_workers=args.num_workers, redis_url=args.redis_url,
                          router=args.router, address=args.address, host=args.host, namespace=args.namespace,
-                         engine=engine, worker_num_cpus=args.worker_num_cpus)
+                         engine=engine, worker_num_cpus=args.worker_num_cpus, torch_threads=args.torch_threads)
 
 
 def serve(args) -> int:

@@ -346,6 +346,33 @@ def test_step_thread_uses_the_engines_torch_threads(model, tmp_path):
     assert "step thread omp threads 2" in out.stdout, out.stdout
 
 
+def test_the_engine_is_built_on_the_step_thread_and_a_failed_build_raises(model):
+    # built elsewhere (the main thread), every step paid for that thread's OpenMP pool
+    # (benchmarks/step_thread.py); a factory that raises leaves no thread behind
+    import threading
+
+    cfg = EngineConfig(model=model, block_size=8, num_kv_blocks=16, max_model_len=64)
+    built_on = []
+
+    def factory():
+        built_on.append(threading.current_thread())
+        return LLMEngine(cfg)
+    w = EngineWorker("w", factory, None)
+    try:
+        assert built_on == [w._step_thread] and built_on[0] is not threading.current_thread()
+        assert asyncio.run(w._call(lambda e: threading.current_thread())) is built_on[0]
+    finally:
+        w.shutdown()
+
+    def broken():
+        built_on.append(threading.current_thread())
+        raise ValueError("no such checkpoint")
+    with pytest.raises(ValueError, match="no such checkpoint"):
+        EngineWorker("w", broken, None)
+    built_on[-1].join(timeout=5)
+    assert not built_on[-1].is_alive()
+
+
 def test_router_takes_a_dead_worker_back_once_it_heartbeats_again():
     """A worker seen dying is skipped while Redis still holds its last heartbeat (up to the
     TTL), and used again at once when a heartbeat newer than its death arrives (a restart),
