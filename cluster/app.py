@@ -63,6 +63,8 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.num_workers < 1:
             raise ConfigError("num_workers must be >= 1")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ConfigError(f"torch_threads must be >= 1, got {self.torch_threads}")
         EngineConfig(model=self.model, **self.engine)  # checks the engine fields up front
         ModelConfig.from_dir(self.model)  # and that the checkpoint is there (ModelLoadError)
 

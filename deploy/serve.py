@@ -69,10 +69,6 @@ def cluster_config(args):
                   kv_cache_memory_gb=args.kv_cache_memory_gb, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, dtype=args.dtype, preemption_mode=args.preemption_mode,
                   swap_space_gb=args.swap_space_gb, kv_cache_layout=args.kv_cache_layout)
-    if args.torch_threads is not None and args.torch_threads < 1:
-        from folio.worker.errors import ConfigError
-
-        raise ConfigError(f"--torch-threads must be at least 1, got {args.torch_threads}")
     if args.tokenizer is not None:  # absolute: the workers and the frontends run in other processes
         if not os.path.exists(args.tokenizer):
             from folio.worker.errors import ModelLoadError

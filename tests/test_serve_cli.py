@@ -48,7 +48,7 @@ def test_serve_starts_workers_and_drains_on_sigterm(model_dirs, tmp_path):
     (["--num-workers", "0"], "num_workers must be >= 1"),
     (["--block-size", "0"], "block_size must be >= 1"),
     (["--dtype", "int3"], "dtype must be one of"),
-    (["--torch-threads", "0"], "--torch-threads must be at least 1"),
+    (["--torch-threads", "0"], "torch_threads must be >= 1"),
 ])
 def test_serve_rejects_bad_arguments_clearly(model_dirs, args, message):
     r = subprocess.run(folio("serve", "--model", model_dirs["llama"], *args), capture_output=True, text=True,

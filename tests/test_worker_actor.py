@@ -367,10 +367,19 @@ def test_the_engine_is_built_on_the_step_thread_and_a_failed_build_raises(model)
     def broken():
         built_on.append(threading.current_thread())
         raise ValueError("no such checkpoint")
+    class Publisher:
+        closed = False
+
+        def publish(self, load, cached_block_hashes=None, changes=None):
+            return True
+
+        def close(self):
+            Publisher.closed = True
     with pytest.raises(ValueError, match="no such checkpoint"):
-        EngineWorker("w", broken, None)
+        EngineWorker("wb", broken, Publisher)
     built_on[-1].join(timeout=5)
     assert not built_on[-1].is_alive()
+    assert Publisher.closed and not any(t.name == "folio-pub-wb" for t in threading.enumerate())
 
 
 def test_router_takes_a_dead_worker_back_once_it_heartbeats_again():

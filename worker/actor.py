@@ -97,7 +97,12 @@ class EngineWorker:
                                           name=f"folio-step-{worker_id}", daemon=True)]
         for t in self._threads:
             t.start()
-        built.result()  # the factory's exception, if it raised (the thread has ended then)
+        try:
+            built.result()  # the factory's exception, if it raised (the thread has ended then)
+        except BaseException:
+            if self._heartbeat is not None:
+                self._heartbeat.close()
+            raise
 
     # ---- the async API ------------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
