@@ -11,9 +11,9 @@ and only then src ends the stream with `migrated_to=dst` (finish_migration). If 
 refuses or dies, src takes the request back on the same stream (cancel_migration).
 
 Through Ray, a frontend's requests on one worker share one channel (`_Channel`): its
-submits, aborts and attaches go out in order as batches (`commands`, one call in flight,
-awaited), and every chunk of all of them comes back on one `subscribe` stream, one Ray
-message per worker step. A reader that leaves queues its abort on that channel at once
+submits, aborts and attaches go out in order as batches (`commands`, one Ray call in flight,
+awaited), and every chunk of all of them comes back on one TCP connection to the worker
+(worker/data_plane.py), one frame per worker step: no Ray hop per step. A reader that leaves queues its abort on that channel at once
 (no await, nothing to lose), behind its own submit: the worker cannot miss it.
 
 Errors come out as Folio's own: InvalidRequestError from the worker as is, a dead
@@ -28,11 +28,11 @@ import weakref
 from collections import deque
 from typing import AsyncIterator, Protocol
 
+from folio.worker import data_plane
 from folio.worker.errors import FolioError, InvalidRequestError, UnavailableError
 from folio.worker.messages import GenerateRequest, StreamChunk, merge_chunks
 from folio.worker.outbox import terminal
 
-STREAM_BACKPRESSURE = 2  # messages a worker may have in flight to a channel before its stream pauses
 CLOSE_FLUSH_S = 5.0  # a closing channel sends what it still holds (aborts) for this long
 
 
@@ -237,34 +237,30 @@ class _Channel:
                     box.put(err)
 
     async def _read(self) -> None:
-        import ray
-
-        gen = None
+        writer = None
         try:
-            gen = self.client.handle(self.wid).subscribe.options(
-                num_returns="streaming", _generator_backpressure_num_objects=STREAM_BACKPRESSURE).remote(
-                self.subscriber)
-            async for ref in gen:
-                for rid, item in await ref:
+            try:
+                host, port, token = await self.client._call(self.wid, "data_address")
+                reader, writer = await data_plane.connect(host, port, token, self.subscriber)
+            except OSError as e:  # the worker answers Ray but its data port is out of reach
+                self.send(("close", ""))  # its outbox here would wait for a connection forever
+                raise WorkerDiedError(self.wid, f"its data connection failed: {e}") from None
+            while True:
+                for rid, item in await data_plane.read_frame(reader):
                     box = self.inboxes.get(rid)
                     if box is not None:
                         box.put(item)
-            err: BaseException = WorkerDiedError(self.wid, "its stream ended")
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+        except (asyncio.IncompleteReadError, ConnectionError):  # the worker closed it, or died
             self.client._handles.pop(self.wid, None)
-            err = WorkerDiedError(self.wid, type(e).__name__)
-        except ray.exceptions.RayTaskError as e:
-            err = _unwrap(e)
-        except WorkerDiedError as e:
+            err: BaseException = WorkerDiedError(self.wid, "its data connection closed")
+        except FolioError as e:  # WorkerDiedError, or the worker's own refusal
             err = e
         except asyncio.CancelledError:
-            if gen is not None:
-                try:
-                    ray.cancel(gen)  # the worker aborts this subscriber's requests
-                except Exception:
-                    pass
             self._break(WorkerDiedError(self.wid, "the frontend's channel closed"))
             raise
+        finally:
+            if writer is not None:
+                writer.close()  # the worker sees EOF and aborts this subscriber's requests
         self._break(err)
 
     def _break(self, err: BaseException) -> None:
@@ -277,7 +273,7 @@ class _Channel:
             if fut is not None and not fut.done():
                 fut.set_exception(err)
         # the aborts stay: a closing sender still sends them
-        self.outgoing = [(m, None) for m, fut in self.outgoing if fut is None and m[0] == "abort"]
+        self.outgoing = [(m, None) for m, fut in self.outgoing if fut is None and m[0] in ("abort", "close")]
         for t in (self.reader, self.sender):
             if t is not asyncio.current_task() and not t.done():
                 t.cancel()

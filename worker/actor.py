@@ -4,8 +4,9 @@
     ------------------------------          ----------------------------------------------
     generate(req)  -- async generator -->   event loop: asyncio queues, one per request
     attach(id)     -- after a migration     ^ call_soon_threadsafe(a step's chunks, at once)
-    commands(sub, [submit|abort|attach])    a frontend's channel (outbox.py): in order, applied
-    subscribe(sub) <-- one message per wake-up for all of that frontend's requests here
+    commands(sub, [submit|abort|attach|close])  a frontend's channel (outbox.py): in order, applied
+    data_address() -> TCP (data_plane.py) <-- one frame per wake-up for all of that frontend's
+    subscribe(sub)    (the same through Ray)      requests here
     abort / export / import / preempt --->  commands ---> step thread: engine.step() loop
     running_requests(prio)  ------------->  the coordinator asks when it plans a preemption
     (Redis)  <-- heartbeat every ~100 ms --- publisher thread (heartbeat.py: O(changes))
@@ -39,6 +40,7 @@ from typing import Any, AsyncIterator, Callable
 from folio.worker.errors import InvalidRequestError, RequestFailedError, UnavailableError, WorkerFailedError
 from folio.worker.messages import (CompletionDelta, GenerateRequest, RequestSummary, StreamChunk, WorkerLoad,
                                    merge_chunks)
+from folio.worker.data_plane import DataServer
 from folio.worker.heartbeat import Heartbeat, LoadPublisher
 from folio.worker.outbox import Outbox, Route, Tombstones
 
@@ -81,6 +83,7 @@ class EngineWorker:
         self._sent: dict[str, dict[int, int]] = {}  # request id -> {completion: tokens streamed}
         self._outboxes: dict[str, Outbox] = {}  # subscriber -> what waits for its stream
         self._closed: dict[str, None] = {}  # subscribers whose stream closed (bounded, oldest first)
+        self._data = DataServer(self._outbox, self._close_subscriber)  # the outboxes over TCP
         self._tombstones = Tombstones()  # step thread only
         self._out: list = []  # (request id, item) put by the step thread, delivered once per step
         self._step_thread: threading.Thread | None = None
@@ -178,6 +181,8 @@ class EngineWorker:
                 plan.append((i, kind, arg))
             elif kind == "attach":
                 self._loop.create_task(self._attach_route(arg, box))
+            elif kind == "close" and box is not None:  # a frontend that could not connect
+                self._close_subscriber(box)
         if not plan:
             return results
 
@@ -238,10 +243,16 @@ class EngineWorker:
         while not q.empty():
             route.put_nowait(q.get_nowait())
 
+    async def data_address(self) -> tuple[str, int, str]:
+        """(host, port, token) of this worker's data plane (data_plane.py): what `subscribe`
+        yields, over one TCP connection per subscriber instead of a Ray stream."""
+        self._loop = asyncio.get_running_loop()
+        return await self._data.address()
+
     async def subscribe(self, subscriber: str) -> AsyncIterator[list[tuple[str, Any]]]:
         """Every (request id, chunk or error) for `subscriber`, one list per wake-up: a
-        step's outputs for one frontend cross Ray as one message. Closing it aborts the
-        subscriber's requests still running here."""
+        step's outputs for one frontend as one message. Closing it aborts the subscriber's
+        requests still running here."""
         self._loop = asyncio.get_running_loop()
         box = self._outbox(subscriber)
         if box is None:
@@ -253,16 +264,22 @@ class EngineWorker:
                 if batch:
                     yield batch
         finally:
-            box.closed = True
-            self._outboxes.pop(subscriber, None)
-            self._closed[subscriber] = None
-            while len(self._closed) > CLOSED_KEPT:
-                del self._closed[next(iter(self._closed))]
-            for rid, sink in list(self._streams.items()):
-                if isinstance(sink, Route) and sink.box is box:
-                    del self._streams[rid]
-                    self._sent.pop(rid, None)
-                    self._send(lambda e, rid=rid: self._abort(rid))
+            self._close_subscriber(box)
+
+    def _close_subscriber(self, box: Outbox) -> None:
+        """The subscriber's stream ended: its late submits are refused, its requests here aborted."""
+        if box.closed:
+            return
+        box.closed = True
+        self._outboxes.pop(box.subscriber, None)
+        self._closed[box.subscriber] = None
+        while len(self._closed) > CLOSED_KEPT:
+            del self._closed[next(iter(self._closed))]
+        for rid, sink in list(self._streams.items()):
+            if isinstance(sink, Route) and sink.box is box:
+                del self._streams[rid]
+                self._sent.pop(rid, None)
+                self._send(lambda e, rid=rid: self._abort(rid))
 
     async def _drain_stream(self, rid: str) -> AsyncIterator[StreamChunk]:
         q = self._streams[rid]
@@ -434,6 +451,9 @@ class EngineWorker:
                 t.join(timeout=10)
         if self._heartbeat is not None:
             self._heartbeat.close()
+        if self._loop is not None and not self._loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                self._loop.call_soon_threadsafe(self._data.close)
 
     # ---- commands: run on the step thread, between steps --------------------------------
     def _send(self, fn: Callable) -> concurrent.futures.Future:

@@ -1,0 +1,173 @@
+"""The worker's data plane (worker/data_plane.py) over real TCP on loopback, with a real
+engine on the tiny model: what RayWorkerClient reads every chunk from. The frames carry the
+same outputs as offline generation; closing the connection aborts what still runs; hostile
+connections (wrong token, garbage, silence, a second connection for a subscriber) never
+attach, never stall the worker and leave nothing behind."""
+
+import asyncio
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from folio.worker import data_plane
+from folio.worker.messages import GenerateRequest
+from folio.worker.sampling_params import SamplingParams
+
+from conftest import PROMPTS
+from test_worker_actor import GREEDY, _shutdown_workers, make_worker, model, offline, tokenizer  # noqa: F401 (fixtures)
+
+LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+
+
+async def _idle(w) -> dict:
+    for _ in range(300):
+        s = await w.stats()
+        if (s["num_streams"] == 0 and s["num_free_blocks"] == s["num_kv_blocks"] and s["num_running"] == 0
+                and s["num_subscribers"] == 0):
+            return s
+        await asyncio.sleep(0.01)
+    return s
+
+
+async def _refused(host, port, hello: bytes) -> bool:
+    """True when the worker closes the connection without sending a frame."""
+    r, wr = await asyncio.open_connection(host, port)
+    wr.write(hello)
+    await wr.drain()
+    try:
+        got = await asyncio.wait_for(r.read(1), 5)
+    finally:
+        wr.close()
+    return got == b""
+
+
+def test_frames_carry_a_frontends_requests_and_a_closed_connection_aborts_them(model, offline, tokenizer):
+    w = make_worker(model, "w0")
+
+    async def main():
+        host, port, token = await w.data_address()
+        assert host == "127.0.0.1" and port > 0 and len(token) == 32
+        reader, writer = await data_plane.connect(host, port, token, "fe-1")
+        reqs = [GenerateRequest(f"r{i}", tokenizer(p).input_ids, SamplingParams(**GREEDY)) for i, p in enumerate(PROMPTS)]
+        assert await w.commands("fe-1", [("submit", r) for r in reqs] + [
+            ("submit", GenerateRequest("gone", [5, 6, 7], LONG)), ("abort", "gone")]) == [None] * (len(reqs) + 1) + [True]
+        tokens, done, sizes = {}, set(), []
+        while len(done) < len(reqs) + 1:
+            batch = await asyncio.wait_for(data_plane.read_frame(reader), 30)
+            sizes.append(len({rid for rid, _ in batch}))
+            for rid, item in batch:
+                tokens.setdefault(rid, []).extend(t for d in item.deltas for t in d.token_ids)
+                if item.finished:
+                    done.add(rid)
+        for r, p in zip(reqs, PROMPTS):
+            assert tokens[r.request_id] == offline[p]
+        assert len(tokens["gone"]) < 5, "an abort in the same batch as its submit wins"
+        assert max(sizes) > 1, "a step's outputs for several requests should share a frame"
+        # a second connection for the same subscriber is refused; the first keeps working
+        assert await _refused(host, port, b"FOLIO-DATA/1 " + token.encode() + b" fe-1\n")
+        gen0 = await w._call(lambda e: e.num_generated_tokens)
+        await w.commands("fe-1", [("submit", GenerateRequest("long", tokenizer(PROMPTS[0]).input_ids, LONG))])
+        await asyncio.wait_for(data_plane.read_frame(reader), 30)
+        writer.close()  # the frontend went away
+        s = await _idle(w)
+        assert s["num_streams"] == 0 and s["num_free_blocks"] == s["num_kv_blocks"] and s["num_subscribers"] == 0
+        assert await w._call(lambda e: e.num_generated_tokens) - gen0 < 150, "the request ran on after the close"
+        # the closed subscriber stays closed: a late submit on it is never run
+        await w.commands("fe-1", [("submit", GenerateRequest("late", [5, 6, 7], LONG))])
+        assert (await _idle(w))["num_streams"] == 0
+        await w.check_invariants()
+
+    asyncio.run(main())
+
+
+def test_a_frontend_that_cannot_connect_closes_its_subscriber(model):
+    """("close", ...) on the command channel: the outbox that waited for a connection goes,
+    and so do its requests."""
+    w = make_worker(model, "w0")
+
+    async def main():
+        await w.commands("fe-x", [("submit", GenerateRequest("r", [5, 6, 7], LONG))])
+        assert (await w.stats())["num_subscribers"] == 1
+        await w.commands("fe-x", [("close", "")])
+        s = await _idle(w)
+        assert s["num_subscribers"] == 0 and s["num_streams"] == 0 and s["num_free_blocks"] == s["num_kv_blocks"]
+
+    asyncio.run(main())
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(hello=st.one_of(
+    st.binary(max_size=600),
+    st.builds(lambda t, s: b"FOLIO-DATA/1 " + t + b" " + s + b"\n", st.binary(max_size=40), st.binary(max_size=40)),
+    st.builds(lambda n: b"FOLIO-DATA/1 " + b"x" * n + b"\n", st.integers(0, 2000))))
+def test_hostile_hellos_never_attach(worker_and_address, hello):
+    w, (host, port, token) = worker_and_address
+
+    async def main():
+        if token.encode() in hello:
+            return  # (hypothesis found the token: not a stranger)
+        accepted = w.worker._data.accepted
+        r, wr = await asyncio.open_connection(host, port)
+        wr.write(hello)
+        wr.write_eof()
+        try:
+            got = await asyncio.wait_for(r.read(), 15)
+        finally:
+            wr.close()
+        assert got == b"", "a stranger got bytes from the data plane"
+        assert w.worker._data.accepted == accepted, "a connection without the token attached"
+        s = await w.stats()
+        assert s["num_subscribers"] == 0 and s["num_streams"] == 0
+
+    w.run(main())
+
+
+def test_a_silent_connection_is_closed_and_a_real_subscriber_still_streams(worker_and_address, monkeypatch):
+    w, (host, port, token) = worker_and_address
+    monkeypatch.setattr(data_plane, "HELLO_TIMEOUT_S", 0.2)
+
+    async def main():
+        r, wr = await asyncio.open_connection(host, port)  # says nothing
+        assert await asyncio.wait_for(r.read(), 5) == b""
+        wr.close()
+        reader, writer = await data_plane.connect(host, port, token, "fe-ok")
+        await w.worker.commands("fe-ok", [("submit", GenerateRequest("ok", [5, 6, 7], SamplingParams(**GREEDY)))])
+        n = 0
+        while True:
+            batch = await asyncio.wait_for(data_plane.read_frame(reader), 30)
+            n += sum(len(d.token_ids) for _, c in batch for d in c.deltas)
+            if any(c.finished for _, c in batch):
+                break
+        assert n == GREEDY["max_tokens"]
+        writer.close()
+        assert (await _idle(w.worker))["num_subscribers"] == 0
+
+    w.run(main())
+
+
+class _LoopWorker:
+    """One worker whose data server lives on one event loop kept across hypothesis examples."""
+
+    def __init__(self, worker) -> None:
+        self.worker = worker
+        self.loop = asyncio.new_event_loop()
+
+    def run(self, coro):
+        return self.loop.run_until_complete(coro)
+
+    def stats(self):
+        return self.worker.stats()
+
+
+@pytest.fixture(scope="module")
+def worker_and_address(model):
+    from test_worker_actor import _LIVE
+
+    w = make_worker(model, "w-hostile")
+    _LIVE.remove(w)  # this module keeps it across tests
+    lw = _LoopWorker(w)
+    addr = lw.run(w.data_address())
+    yield lw, addr
+    w.shutdown()
+    lw.loop.close()
