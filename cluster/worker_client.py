@@ -146,19 +146,23 @@ class _Inbox:
 
 
 class _Channel:
-    """This frontend's (event loop's) channel to one worker: an ordered sender of command
-    batches and one reader of the worker's `subscribe` stream, demultiplexed per request.
-    If either side sees the worker die, every request on it gets WorkerDiedError and the
-    next request opens a new channel."""
+    """This frontend's (event loop's) channel to one worker: one TCP connection carrying an
+    ordered sender of command batches and the reader of the worker's frames, demultiplexed
+    per request. If either side sees the worker die, every request on it gets
+    WorkerDiedError and the next request opens a new channel."""
 
     def __init__(self, client: RayWorkerClient, wid: str) -> None:
         self.client, self.wid = client, wid
         self.subscriber = f"fe-{uuid.uuid4().hex[:16]}"
         self.inboxes: dict[str, _Inbox] = {}
         self.outgoing: list = []  # (message, future or None), not yet sent
+        self.inflight: list = []  # the batch sent, its results not back yet
         self.wake = asyncio.Event()
         self.dead: BaseException | None = None
         loop = asyncio.get_running_loop()
+        self.connected: asyncio.Future = loop.create_future()  # the writer, once the hello went out
+        self.results: asyncio.Future | None = None  # the in-flight batch's results
+        self.seq = 0
         self.reader = loop.create_task(self._read())
         self.sender = loop.create_task(self._send_loop())
 
@@ -199,33 +203,27 @@ class _Channel:
 
     async def _send_loop(self) -> None:
         try:
-            while True:
-                while not self.outgoing:
-                    self.wake.clear()
-                    await self.wake.wait()
-                batch, self.outgoing = self.outgoing, []
-                try:
-                    results = await self.client._call(self.wid, "commands", self.subscriber, [m for m, _ in batch])
-                except WorkerDiedError as e:
-                    self._fail_batch(batch, e)
-                    self._break(e)
-                    return
-                except Exception as e:  # not one message was applied: each of them fails
-                    self._fail_batch(batch, e)
-                    continue
-                for (_, fut), res in zip(batch, results):
-                    if fut is not None and not fut.done():
-                        fut.set_result(res)
-        except asyncio.CancelledError:  # the event loop is closing: what is queued still goes out
-            pending, self.outgoing = self.outgoing, []
-            self._break(WorkerDiedError(self.wid, "the frontend's channel closed"))
-            if pending:
-                try:
-                    await asyncio.wait_for(self.client._call(self.wid, "commands", self.subscriber,
-                                                             [m for m, _ in pending]), CLOSE_FLUSH_S)
-                except BaseException:
-                    pass
-            raise
+            writer = await asyncio.shield(self.connected)
+        except FolioError:  # never connected: _break failed what was queued
+            return
+        while True:
+            while not self.outgoing:
+                self.wake.clear()
+                await self.wake.wait()
+            batch, self.outgoing = self.outgoing, []
+            self.inflight, self.seq = batch, self.seq + 1
+            self.results = asyncio.get_running_loop().create_future()
+            data_plane.write_frame(writer, (self.seq, [m for m, _ in batch]))
+            try:
+                results = await self.results
+            except Exception as e:  # the worker refused the batch: not one message was applied
+                self._fail_batch(batch, e)
+                continue
+            finally:
+                self.inflight = []
+            for (_, fut), res in zip(batch, results):
+                if fut is not None and not fut.done():
+                    fut.set_result(res)
 
     def _fail_batch(self, batch: list, err: BaseException) -> None:
         for (kind, arg), fut in batch:
@@ -239,18 +237,26 @@ class _Channel:
     async def _read(self) -> None:
         writer = None
         try:
+            host, port, token = await self.client._call(self.wid, "data_address")
             try:
-                host, port, token = await self.client._call(self.wid, "data_address")
                 reader, writer = await data_plane.connect(host, port, token, self.subscriber)
             except OSError as e:  # the worker answers Ray but its data port is out of reach
-                self.send(("close", ""))  # its outbox here would wait for a connection forever
+                asyncio.get_running_loop().create_task(self._close_over_ray())
                 raise WorkerDiedError(self.wid, f"its data connection failed: {e}") from None
+            self.connected.set_result(writer)
             while True:
-                for rid, item in await data_plane.read_frame(reader):
-                    box = self.inboxes.get(rid)
-                    if box is not None:
-                        box.put(item)
-        except (asyncio.IncompleteReadError, ConnectionError):  # the worker closed it, or died
+                frame = await data_plane.read_frame(reader)
+                if frame[0] == "c":
+                    for rid, item in frame[1]:
+                        box = self.inboxes.get(rid)
+                        if box is not None:
+                            box.put(item)
+                elif self.results is not None and not self.results.done() and frame[1] == self.seq:
+                    if frame[0] == "r":
+                        self.results.set_result(frame[2])
+                    else:
+                        self.results.set_exception(frame[2])
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError):  # closed by the worker, or it died
             self.client._handles.pop(self.wid, None)
             err: BaseException = WorkerDiedError(self.wid, "its data connection closed")
         except FolioError as e:  # WorkerDiedError, or the worker's own refusal
@@ -263,17 +269,27 @@ class _Channel:
                 writer.close()  # the worker sees EOF and aborts this subscriber's requests
         self._break(err)
 
+    async def _close_over_ray(self) -> None:
+        """A frontend that cannot reach the worker's data port: the outbox that its submits
+        would have opened there must not wait for a connection forever."""
+        try:
+            await asyncio.wait_for(self.client._call(self.wid, "commands", self.subscriber, [("close", "")]),
+                                   CLOSE_FLUSH_S)
+        except BaseException:
+            pass
+
     def _break(self, err: BaseException) -> None:
         if self.dead is not None:
             return
         self.dead = err
+        if not self.connected.done():
+            self.connected.set_exception(err)
+            self.connected.exception()  # (retrieved: the sender may be gone before it looks)
+        self._fail_batch(self.inflight, err)
+        self._fail_batch(self.outgoing, err)
+        self.outgoing, self.inflight = [], []
         for box in self.inboxes.values():
             box.put(err)
-        for _, fut in self.outgoing:
-            if fut is not None and not fut.done():
-                fut.set_exception(err)
-        # the aborts stay: a closing sender still sends them
-        self.outgoing = [(m, None) for m, fut in self.outgoing if fut is None and m[0] in ("abort", "close")]
         for t in (self.reader, self.sender):
             if t is not asyncio.current_task() and not t.done():
                 t.cancel()

@@ -114,8 +114,11 @@ def test_policies_route_as_specified(cluster, tokenizer):
             long = [GenerateRequest(f"l{i}", list(range(30 + i, 60 + i)), SamplingParams(max_tokens=80, ignore_eos=True))
                     for i in range(3)]
             tasks = [asyncio.create_task(run(cluster.router, r, worker_id="w0")) for r in long]
+            # the router's own snapshot shows w0 loaded (w0 swaps under this burst, and a heartbeat
+            # taken just after a swap-out showed it with room: 2 runs of 5 picked w0 first
+            # when this waited on a separate read of Redis)
             for _ in range(200):
-                if state.live_loads()["w0"].num_free_blocks < 8:
+                if (await ll._live_now(refresh=True))["w0"].num_free_blocks < 8:
                     break
                 await asyncio.sleep(0.02)
             assert [await ll.pick(probe) for _ in range(4)] == ["w1"] * 4
@@ -155,9 +158,11 @@ def test_policies_route_as_specified(cluster, tokenizer):
 
 
 def test_cross_gpu_preemption_resumes_requests_on_the_other_worker(cluster, tokenizer, model_dirs):
-    """A burst pinned to w0 needs ~4x its KV: w0 swaps requests out and the coordinator
-    resumes them on w1; every stream is complete, in order, and equal to the offline engine."""
-    ids = [tokenizer(p).input_ids for p in PROMPTS]
+    """A burst pinned to w0 needs ~8x its KV: w0 swaps requests out and the coordinator
+    resumes them on w1; every stream is complete, in order, and equal to the offline engine.
+    (The prompts twice: once, w0 finished the burst before the coordinator moved one, 1 run in
+    ~10 after the data plane left Ray, 2026-12-02.)"""
+    ids = [tokenizer(p).input_ids for p in PROMPTS] * 2
     params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
     before = stats(cluster)
     reqs = [GenerateRequest(f"x{i}", x, params) for i, x in enumerate(ids)]

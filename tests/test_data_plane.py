@@ -1,8 +1,9 @@
 """The worker's data plane (worker/data_plane.py) over real TCP on loopback, with a real
-engine on the tiny model: what RayWorkerClient reads every chunk from. The frames carry the
-same outputs as offline generation; closing the connection aborts what still runs; hostile
-connections (wrong token, garbage, silence, a second connection for a subscriber) never
-attach, never stall the worker and leave nothing behind."""
+engine on the tiny model: what RayWorkerClient sends its commands on and reads every chunk
+from. The frames carry the same outputs as offline generation; an abort behind its submit
+wins; closing the connection aborts what still runs; hostile connections (wrong token,
+garbage, silence, a second connection for a subscriber) never attach, never stall the
+worker and leave nothing behind."""
 
 import asyncio
 
@@ -10,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from folio.worker import data_plane
+from folio.worker import InvalidRequestError, data_plane
 from folio.worker.messages import GenerateRequest
 from folio.worker.sampling_params import SamplingParams
 
@@ -28,6 +29,32 @@ async def _idle(w) -> dict:
             return s
         await asyncio.sleep(0.01)
     return s
+
+
+class _Conn:
+    """A frontend's end, by hand: commands out in order, chunks and results in."""
+
+    def __init__(self, reader, writer) -> None:
+        self.reader, self.writer, self.seq, self.results = reader, writer, 0, {}
+
+    def send(self, batch) -> int:
+        self.seq += 1
+        data_plane.write_frame(self.writer, (self.seq, batch))
+        return self.seq
+
+    async def chunks(self) -> list:
+        while True:
+            frame = await asyncio.wait_for(data_plane.read_frame(self.reader), 30)
+            if frame[0] == "c":
+                return frame[1]
+            self.results[frame[1]] = frame[2]
+
+    async def result(self, seq):
+        while seq not in self.results:
+            frame = await asyncio.wait_for(data_plane.read_frame(self.reader), 30)
+            assert frame[0] != "c", "no request is running: no chunk should come"
+            self.results[frame[1]] = frame[2]
+        return self.results.pop(seq)
 
 
 async def _refused(host, port, hello: bytes) -> bool:
@@ -48,13 +75,13 @@ def test_frames_carry_a_frontends_requests_and_a_closed_connection_aborts_them(m
     async def main():
         host, port, token = await w.data_address()
         assert host == "127.0.0.1" and port > 0 and len(token) == 32
-        reader, writer = await data_plane.connect(host, port, token, "fe-1")
+        c = _Conn(*await data_plane.connect(host, port, token, "fe-1"))
         reqs = [GenerateRequest(f"r{i}", tokenizer(p).input_ids, SamplingParams(**GREEDY)) for i, p in enumerate(PROMPTS)]
-        assert await w.commands("fe-1", [("submit", r) for r in reqs] + [
-            ("submit", GenerateRequest("gone", [5, 6, 7], LONG)), ("abort", "gone")]) == [None] * (len(reqs) + 1) + [True]
+        first = c.send([("submit", r) for r in reqs] + [("submit", GenerateRequest("gone", [5, 6, 7], LONG))])
+        second = c.send([("abort", "gone")])  # a batch of its own, behind the submit: it still wins
         tokens, done, sizes = {}, set(), []
         while len(done) < len(reqs) + 1:
-            batch = await asyncio.wait_for(data_plane.read_frame(reader), 30)
+            batch = await c.chunks()
             sizes.append(len({rid for rid, _ in batch}))
             for rid, item in batch:
                 tokens.setdefault(rid, []).extend(t for d in item.deltas for t in d.token_ids)
@@ -62,14 +89,15 @@ def test_frames_carry_a_frontends_requests_and_a_closed_connection_aborts_them(m
                     done.add(rid)
         for r, p in zip(reqs, PROMPTS):
             assert tokens[r.request_id] == offline[p]
-        assert len(tokens["gone"]) < 5, "an abort in the same batch as its submit wins"
+        assert await c.result(first) == [None] * (len(reqs) + 1) and await c.result(second) == [True]
+        assert len(tokens["gone"]) < 5, "an abort behind its submit wins"
         assert max(sizes) > 1, "a step's outputs for several requests should share a frame"
         # a second connection for the same subscriber is refused; the first keeps working
         assert await _refused(host, port, b"FOLIO-DATA/1 " + token.encode() + b" fe-1\n")
         gen0 = await w._call(lambda e: e.num_generated_tokens)
-        await w.commands("fe-1", [("submit", GenerateRequest("long", tokenizer(PROMPTS[0]).input_ids, LONG))])
-        await asyncio.wait_for(data_plane.read_frame(reader), 30)
-        writer.close()  # the frontend went away
+        c.send([("submit", GenerateRequest("long", tokenizer(PROMPTS[0]).input_ids, LONG))])
+        await c.chunks()
+        c.writer.close()  # the frontend went away
         s = await _idle(w)
         assert s["num_streams"] == 0 and s["num_free_blocks"] == s["num_kv_blocks"] and s["num_subscribers"] == 0
         assert await w._call(lambda e: e.num_generated_tokens) - gen0 < 150, "the request ran on after the close"
@@ -131,16 +159,21 @@ def test_a_silent_connection_is_closed_and_a_real_subscriber_still_streams(worke
         r, wr = await asyncio.open_connection(host, port)  # says nothing
         assert await asyncio.wait_for(r.read(), 5) == b""
         wr.close()
-        reader, writer = await data_plane.connect(host, port, token, "fe-ok")
-        await w.worker.commands("fe-ok", [("submit", GenerateRequest("ok", [5, 6, 7], SamplingParams(**GREEDY)))])
+        c = _Conn(*await data_plane.connect(host, port, token, "fe-ok"))
+        c.send([("submit", GenerateRequest("ok", [5, 6, 7], SamplingParams(**GREEDY)))])
         n = 0
         while True:
-            batch = await asyncio.wait_for(data_plane.read_frame(reader), 30)
-            n += sum(len(d.token_ids) for _, c in batch for d in c.deltas)
-            if any(c.finished for _, c in batch):
+            batch = await c.chunks()
+            n += sum(len(d.token_ids) for _, ch in batch for d in ch.deltas)
+            if any(ch.finished for _, ch in batch):
                 break
         assert n == GREEDY["max_tokens"]
-        writer.close()
+        # a batch the worker cannot apply comes back as its error, and the connection stays
+        for bad in ("not a batch", [("submit", GenerateRequest("half", [5], LONG)), ("launch", 1)], [("submit",)]):
+            assert isinstance(await c.result(c.send(bad)), InvalidRequestError)
+        assert (await w.worker.stats())["num_streams"] == 0, "half a malformed batch was applied"
+        assert await c.result(c.send([("abort", "nothing-here")])) == [False]
+        c.writer.close()
         assert (await _idle(w.worker))["num_subscribers"] == 0
 
     w.run(main())

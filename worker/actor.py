@@ -83,7 +83,7 @@ class EngineWorker:
         self._sent: dict[str, dict[int, int]] = {}  # request id -> {completion: tokens streamed}
         self._outboxes: dict[str, Outbox] = {}  # subscriber -> what waits for its stream
         self._closed: dict[str, None] = {}  # subscribers whose stream closed (bounded, oldest first)
-        self._data = DataServer(self._outbox, self._close_subscriber)  # the outboxes over TCP
+        self._data = DataServer(self._outbox, self._close_subscriber, self.commands)  # frontends over TCP
         self._tombstones = Tombstones()  # step thread only
         self._out: list = []  # (request id, item) put by the step thread, delivered once per step
         self._step_thread: threading.Thread | None = None
@@ -170,6 +170,11 @@ class EngineWorker:
         request's chunks, or its error, go out on `subscriber`'s stream (subscribe()).
         Returns one result per message (an abort's: whether it found the request)."""
         self._loop = asyncio.get_running_loop()
+        if not isinstance(batch, list) or not all(
+                isinstance(m, tuple) and len(m) == 2 and (m[0] in ("abort", "attach", "close") or
+                                                          m[0] == "submit" and isinstance(m[1], GenerateRequest))
+                for m in batch):
+            raise InvalidRequestError("a malformed command batch: nothing of it was applied")
         box = self._outbox(subscriber)
         results: list = [None] * len(batch)
         plan: list[tuple[int, str, Any]] = []
@@ -244,8 +249,8 @@ class EngineWorker:
             route.put_nowait(q.get_nowait())
 
     async def data_address(self) -> tuple[str, int, str]:
-        """(host, port, token) of this worker's data plane (data_plane.py): what `subscribe`
-        yields, over one TCP connection per subscriber instead of a Ray stream."""
+        """(host, port, token) of this worker's data plane (data_plane.py): `commands` in and
+        what `subscribe` yields out, over one TCP connection per subscriber instead of Ray."""
         self._loop = asyncio.get_running_loop()
         return await self._data.address()
 

@@ -1,25 +1,35 @@
-"""The worker's data plane: one TCP connection per (frontend, worker) carries every chunk
-of that frontend's requests on the worker, one frame per wake-up of the worker's event loop
-(a step's outputs, as `subscribe()` yields them), with no Ray in between.
+"""The worker's data plane: one TCP connection per (frontend, worker) carries that
+frontend's commands to the worker and every chunk of its requests back, one frame per
+wake-up of the worker's event loop (a step's outputs, as `subscribe()` yields them), with
+no Ray in between. Ray stays for everything else (the address, migrations, the
+coordinator, the lifecycle).
 
     frontend                                  worker (EngineWorker's event loop)
     data_address() (a Ray call) -------->     (host, port, token); the server starts on first use
-    connect, send  HELLO token subscriber\\n   the subscriber's Outbox (outbox.py) is drained
-    <-- frames: 4-byte big-endian length, then pickle([(request id, StreamChunk | exception)])
+    connect, send  HELLO token subscriber\\n   (a line; nothing else is read before it checks out)
+    frame (seq, [(kind, arg), ...]) ---->     EngineWorker.commands, one batch at a time, in order
+    <-- frame ("r", seq, results) | ("e", seq, exception)
+    <-- frame ("c", [(request id, StreamChunk | exception), ...])   the subscriber's Outbox
     close (or die) --------------------->     EOF: the subscriber's requests still here are aborted
+
+A frame is a 4-byte big-endian length, then a pickle. Commands and chunks share the one
+ordered connection, so an abort can never overtake its submit, and closing it is the abort
+of everything the frontend still had running there.
 
 Why not Ray's streaming generator (what `subscribe()` is, and what this replaced): each
 yielded item hops through several threads on both sides (the event loop, an executor that
 reports it, the core worker's io thread, gRPC pollers): ~70 context switches per step on
 this 2-core machine, each one taking a core from the forward's OpenMP threads, whose
-barriers then wait for it. The forward of a one-request decode step took 7.2-7.8 ms behind
-a Ray stream against 4.7-5.4 ms with its reader in the same process (benchmarks/results/
-data_plane.json). Here a frame costs the worker one wake-up of its event loop and one send.
+barriers then wait for it (benchmarks/data_plane.py: the forward of a one-request decode
+step 10.8 ms behind a Ray stream, 8.5 over this connection, 6.9 with its reader in the same
+process). And a Ray actor call took ~2 ms to deliver a submit on this machine, a third of a
+one-token request's time outside the engine. Here a frame costs the worker one wake-up of
+its event loop and one send.
 
-Trust: the frontend unpickles what the worker sends, as it trusts Ray's messages from it.
-The worker reads only the hello line (no pickle) and accepts a connection only with the
-token it handed out over Ray, so a stranger on the network can neither read a stream nor
-push anything into the worker.
+Trust: a connection is accepted only with the token the worker handed out over Ray, so
+whoever can send it commands could already call the worker through Ray; until the hello
+line checks out the worker reads nothing else (no pickle), so a stranger on the network can
+neither read a stream nor push anything into the worker.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ import pickle
 import secrets
 import struct
 import sys
-from typing import Callable
+from typing import Awaitable, Callable
 
 from folio.worker.outbox import Outbox
 
@@ -39,6 +49,7 @@ HELLO = b"FOLIO-DATA/1"
 FRAME = struct.Struct("!I")
 HELLO_TIMEOUT_S = 10.0  # a connection that has not said who it is by then is closed
 MAX_HELLO = 512
+MAX_FRAME = 1 << 28  # a frame's largest size (bytes); a longer one ends the connection
 log = logging.getLogger("folio.worker")
 
 
@@ -52,11 +63,13 @@ def node_host() -> str:
 
 
 class DataServer:
-    """Serves subscribers' outboxes over TCP. `open_box(subscriber)` returns its Outbox (None:
-    that subscriber was closed); `close_box(box)` runs once its connection ends."""
+    """Serves subscribers over TCP. `open_box(subscriber)` returns its Outbox (None: that
+    subscriber was closed); `apply(subscriber, batch)` runs a batch of its commands and returns
+    their results; `close_box(box)` runs once its connection ends."""
 
-    def __init__(self, open_box: Callable[[str], Outbox | None], close_box: Callable[[Outbox], None]) -> None:
-        self.open_box, self.close_box = open_box, close_box
+    def __init__(self, open_box: Callable[[str], Outbox | None], close_box: Callable[[Outbox], None],
+                 apply: Callable[[str, list], Awaitable[list]]) -> None:
+        self.open_box, self.close_box, self.apply = open_box, close_box, apply
         self.token = secrets.token_hex(16)
         self._server: asyncio.base_events.Server | None = None
         self._host = ""
@@ -90,7 +103,7 @@ class DataServer:
                 return
             self._attached.add(subscriber)
             self.accepted += 1
-            await self._pump(box, reader, writer)
+            await self._pump(box, subscriber, reader, writer)
         finally:
             self._connections.discard(asyncio.current_task())
             if box is not None:
@@ -98,31 +111,38 @@ class DataServer:
                 self.close_box(box)
             writer.close()
 
-    async def _pump(self, box: Outbox, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pump(self, box: Outbox, subscriber: str, reader: asyncio.StreamReader,
+                    writer: asyncio.StreamWriter) -> None:
         gone = asyncio.get_running_loop().create_future()
 
-        async def watch() -> None:  # the frontend sends nothing after its hello: any byte or EOF ends it
+        async def commands() -> None:  # the frontend's batches, applied in order; EOF ends it all
             try:
-                await reader.read(1)
-            except ConnectionError:
+                while True:
+                    seq, batch = await read_frame(reader)
+                    try:
+                        reply = ("r", seq, await self.apply(subscriber, batch))
+                    except Exception as e:  # not one message of it was applied
+                        reply = ("e", seq, e)
+                    write_frame(writer, reply)
+            except (asyncio.IncompleteReadError, ConnectionError, ValueError, TypeError, pickle.UnpicklingError):
                 pass
-            if not gone.done():
-                gone.set_result(None)
-            box.ready.set()
+            finally:
+                if not gone.done():
+                    gone.set_result(None)
+                box.ready.set()
 
-        watcher = asyncio.get_running_loop().create_task(watch())
+        reader_task = asyncio.get_running_loop().create_task(commands())
         try:
             while not gone.done():
                 await box.ready.wait()
                 batch = box.take()
                 if batch and not gone.done():
-                    data = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
-                    writer.write(FRAME.pack(len(data)) + data)
+                    write_frame(writer, ("c", batch))
                     await writer.drain()  # a slow reader: the outbox merges meanwhile (bounded)
         except ConnectionError:
             pass
         finally:
-            watcher.cancel()
+            reader_task.cancel()
 
     def close(self) -> None:
         """Stop listening and end every connection (on the event loop's thread)."""
@@ -133,14 +153,22 @@ class DataServer:
 
 
 async def connect(host: str, port: int, token: str, subscriber: str):
-    """The frontend's end: a (reader, writer) pair whose reader yields frames via `read_frame`."""
+    """The frontend's end: a (reader, writer) pair, past the hello (frames from here on)."""
     reader, writer = await asyncio.open_connection(host, port)
     writer.write(b" ".join((HELLO, token.encode(), subscriber.encode())) + b"\n")
     await writer.drain()
     return reader, writer
 
 
-async def read_frame(reader: asyncio.StreamReader) -> list:
-    """One frame's [(request id, item)]; raises IncompleteReadError when the worker closed."""
+def write_frame(writer: asyncio.StreamWriter, obj) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    writer.write(FRAME.pack(len(data)) + data)
+
+
+async def read_frame(reader: asyncio.StreamReader):
+    """One frame's object; IncompleteReadError when the other end closed, ValueError when
+    the frame is larger than MAX_FRAME."""
     (n,) = FRAME.unpack(await reader.readexactly(FRAME.size))
+    if n > MAX_FRAME:
+        raise ValueError(f"a {n}-byte frame exceeds {MAX_FRAME}")
     return pickle.loads(await reader.readexactly(n))
