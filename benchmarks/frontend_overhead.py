@@ -6,8 +6,9 @@ path, not model).
 
 Engine alone: LLMEngine.add_request + step() in this process. Through the server: the
 HTTP API (non-streaming /v1/completions with the `openai` client) and gRPC (Generate),
-each through Serve's proxy / the replica, the router and a Ray actor call to the worker.
-DESIGN's target: router + frontend add < 5 ms p50. Results: benchmarks/results/frontend_overhead.json.
+each served by the frontend replica itself (its router, then the worker's TCP channel:
+worker/data_plane.py). Targets (issue #15): the path adds < 2 ms p50 over gRPC, < 4 ms over
+HTTP. Results: benchmarks/results/frontend_overhead.json.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@
 - inprocess: `EngineWorker` in this process, its streams read directly;
 - ray: `EngineWorker` as a Ray actor (as `folio serve` runs it), streams read through
   `RayWorkerClient` (one channel to the worker: submits and aborts in ordered batches,
-  one Ray message per step for all of the client's requests);
+  one frame per step for all of the client's requests, over TCP since 2026-12-02 and
+  through a Ray stream and Ray calls before);
 - serve-grpc: `folio serve --num-workers 1`, streams read over gRPC by `folio bench`
   (adds the Serve replica, where the gRPC server runs: one more process per token);
 - serve: the same over HTTP (the replica serves HTTP itself: deploy/http_server.py);

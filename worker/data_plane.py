@@ -20,9 +20,9 @@ Why not Ray's streaming generator (what `subscribe()` is, and what this replaced
 yielded item hops through several threads on both sides (the event loop, an executor that
 reports it, the core worker's io thread, gRPC pollers): ~70 context switches per step on
 this 2-core machine, each one taking a core from the forward's OpenMP threads, whose
-barriers then wait for it (benchmarks/data_plane.py: the forward of a one-request decode
-step 10.8 ms behind a Ray stream, 8.5 over this connection, 6.9 with its reader in the same
-process). And a Ray actor call took ~2 ms to deliver a submit on this machine, a third of a
+barriers then wait for it (benchmarks/data_plane.py, A B B A: the forward of a one-request
+decode step 9.6 ms behind a Ray stream, 7.7 over this connection, 6.4 with its reader in the
+same process; 71 / 21 / 4 context switches per step). And a Ray actor call took ~2 ms to deliver a submit on this machine, a third of a
 one-token request's time outside the engine. Here a frame costs the worker one wake-up of
 its event loop and one send.
 
