@@ -14,11 +14,14 @@ message: the burst's prefills take longer), half 0.6-1.3 x the last round's medi
 first message (it expires around it, often mid-stream; a later one reads hundreds of tokens). After each round the
 workers must go idle (nothing running, waiting or swapped, every KV block free: their
 heartbeats in Redis) within `--idle-timeout-s`, and the generation counter (the workers'
-own, from the heartbeats) must have moved by < 5 % of the possible tokens (clients x
-max_tokens): a request whose abort was lost runs on to its 1,000 tokens. Worker RSS
+own, from the heartbeats) must have moved past what the clients read by < 5 % of the possible
+tokens (clients x max_tokens): a request whose abort was lost runs on to its 1,000 tokens.
+(Until 2026-12-02 the counter's whole move was held to 5 %; on a faster CPU with the TCP data
+plane the clients themselves read 6.2 % in a round of 60, their deadline clients reading
+hundreds of tokens each, while the workers made only 1.2 % past it.) Worker RSS
 (psutil, the EngineWorker processes under the serve process) is read after each round.
 
-A miss: a round over 5 %, workers not idle (or KV not free) by the deadline, or a client
+A miss: a round over 5 % past what was read, workers not idle (or KV not free) by the deadline, or a client
 error (a refused or failed request makes the round say nothing). Results per round, per run
 and overall in benchmarks/results/cancellation_stress.json; one summary line per run.
 tests/test_cancellation_serve.py runs one round of this against its own server.
@@ -41,7 +44,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MAX_TOKENS = 1000
-MISS_SHARE = 0.05  # of the possible tokens
+MISS_SHARE = 0.05  # of the possible tokens, made past what the clients read
 RSS_FLAT_MB = 20.0  # worker RSS growth after the first run that still counts as flat
 
 
@@ -316,8 +319,8 @@ def one_round(srv: dict, state, pids: dict, clients: int, seed: int, max_tokens:
     misses = []
     if not ok:
         misses.append("not idle before the round")
-    if made >= MISS_SHARE * possible:
-        misses.append(f"generated {made} >= {MISS_SHARE:.0%} of {possible}")
+    if made - read >= MISS_SHARE * possible:
+        misses.append(f"generated {made}, read {read}: {made - read} >= {MISS_SHARE:.0%} of {possible}")
     if not idle:
         misses.append(f"not idle {idle_timeout_s:.0f} s after the clients left: {load_view(loads)}")
     if res["num_errors"]:

@@ -2,8 +2,8 @@
 (HTTP connections closed after 0-5 SSE chunks or before the headers, gRPC streams cancelled
 after 0-5 messages, gRPC deadlines that expire mid-stream; max_tokens 1000, ignore_eos)
 leave nothing behind: the workers go idle with every KV block free, and their generation
-counter moves by < 5 % of the possible tokens (a request whose abort was lost runs on to its
-1,000). The round is benchmarks/cancellation_stress.py's (20 runs x 5 rounds x 200 clients
+counter moves past what the clients read by < 5 % of the possible tokens (a request whose
+abort was lost runs on to its 1,000). The round is benchmarks/cancellation_stress.py's (20 runs x 5 rounds x 200 clients
 there); this server is its own, not conftest's `folio_server`, whose admission limit (6)
 and KV cache (48 blocks of 8) cannot take 60 concurrent long requests."""
 
@@ -42,6 +42,6 @@ def test_clients_that_leave_through_serve_leave_nothing_running(server):
         assert r["idle"], f"round {rnd}: requests or blocks left behind: {r['loads_after']}"
         assert all(w["kv_usage"] == 0 and w["running"] + w["waiting"] + w["swapped"] == 0
                    for w in r["loads_after"].values())
-        assert r["generated_tokens"] < cs.MISS_SHARE * r["possible_tokens"], r
+        assert r["generated_tokens"] - r["read_tokens"] < cs.MISS_SHARE * r["possible_tokens"], r
         assert r["generated_tokens"] >= r["read_tokens"] > 0  # the counter is the one that moves
         assert not r["misses"], r["misses"]
