@@ -10,11 +10,13 @@ export on src (the request leaves its engine; its stream stays open), import on 
 and only then src ends the stream with `migrated_to=dst` (finish_migration). If dst
 refuses or dies, src takes the request back on the same stream (cancel_migration).
 
-Through Ray, a frontend's requests on one worker share one channel (`_Channel`): its
-submits, aborts and attaches go out in order as batches (`commands`, one Ray call in flight,
-awaited), and every chunk of all of them comes back on one TCP connection to the worker
-(worker/data_plane.py), one frame per worker step: no Ray hop per step. A reader that leaves queues its abort on that channel at once
-(no await, nothing to lose), behind its own submit: the worker cannot miss it.
+Through Ray, a frontend's requests on one worker share one channel (`_Channel`), one TCP
+connection to the worker (worker/data_plane.py; its address and token come over Ray): its
+submits, aborts and attaches go down it in order as batches (one in flight, awaited), and
+every chunk of all of them comes back on it, one frame per worker step: no Ray hop per
+request or step. A reader that leaves queues its abort on that channel at once (no await,
+nothing to lose), behind its own submit: the worker cannot miss it. Closing the connection
+aborts everything the frontend still had running on that worker.
 
 Errors come out as Folio's own: InvalidRequestError from the worker as is, a dead
 worker as WorkerDiedError (an UnavailableError).
@@ -33,7 +35,7 @@ from folio.worker.errors import FolioError, InvalidRequestError, UnavailableErro
 from folio.worker.messages import GenerateRequest, StreamChunk, merge_chunks
 from folio.worker.outbox import terminal
 
-CLOSE_FLUSH_S = 5.0  # a closing channel sends what it still holds (aborts) for this long
+CLOSE_FLUSH_S = 5.0  # how long a frontend that cannot connect waits to close its subscriber over Ray
 
 
 class WorkerDiedError(UnavailableError):
