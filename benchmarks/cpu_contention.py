@@ -26,6 +26,8 @@ import subprocess
 import sys
 import time
 
+import data_plane  # benchmarks/: its _cpu() names the machine
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 THIEF = r"""
 import sys, time
@@ -45,8 +47,8 @@ def _cpu_stat() -> tuple[int, int]:
 
 
 def child(model: str, share: float, period_ms: float, streams: int) -> dict:
-    """One run in this process: the engine, and the thief beside it for the timed part."""
-    sys.path.insert(0, HERE)
+    """One run in this process: the engine, and the thief beside it for the whole drive (its one
+    warm-up request and the timed part; the idle fraction covers the same span)."""
     import serving_path_cost as spc
 
     spc.STREAMS = [streams]
@@ -115,7 +117,7 @@ def main() -> int:
                 row["loss"] = round(loss, 3)
                 row["amplification"] = round(loss / (share / cores), 2)
             summary[f"{name} thief={share}"] = row
-    result = {"date": time.strftime("%Y-%m-%d"), "cpu": _cpu_name(), "cores": cores, "streams": args.streams,
+    result = {"date": time.strftime("%Y-%m-%d"), "cpu": data_plane._cpu(), "cores": cores, "streams": args.streams,
               "period_ms": args.period_ms, "order": "A B B A, a fresh process per run", "summary": summary,
               "runs": runs}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
@@ -123,13 +125,6 @@ def main() -> int:
         json.dump(result, f, indent=1)
     print(json.dumps(summary, indent=1))
     return 0
-
-
-def _cpu_name() -> str:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "?"
 
 
 if __name__ == "__main__":
