@@ -28,7 +28,9 @@ Reports output tokens/s and the engine's steps and forward time per step (its ow
 for the served modes read from /metrics: folio_engine_steps_total and
 folio_engine_step_seconds_total{phase="forward"}), and for the served modes the CPU seconds
 per 1,000 output tokens of each process role (engine, frontend / API server, the load
-client, the rest), to `benchmarks/results/serving_path_cost.json`.
+client, the rest) and how often the engine's threads were taken off a core (involuntary
+context switches of its process's threads, per second and per step), to
+`benchmarks/results/serving_path_cost.json`.
 """
 
 from __future__ import annotations
@@ -107,8 +109,14 @@ def run_inprocess(model, threads=None) -> dict:
     async def timings():
         return await w._call(lambda e: dict(vars(e.timings)))
 
+    def one(n):
+        pre0, t0 = thread_preemptions(os.getpid()), time.perf_counter()
+        res = asyncio.run(drive(w.generate, timings, n))
+        pre, wall = thread_preemptions(os.getpid()) - pre0, time.perf_counter() - t0
+        return dict(res, engine_involuntary_switches_per_s=round(pre / wall),
+                    engine_involuntary_switches_per_step=round(pre / res["steps"], 1))
     try:
-        return {n: asyncio.run(drive(w.generate, timings, n)) for n in STREAMS}
+        return {n: one(n) for n in STREAMS}
     finally:
         w.shutdown()
 
@@ -176,6 +184,33 @@ def cpu_by_role(root: int) -> dict:
     return out
 
 
+def thread_preemptions(pid: int) -> int:
+    """Involuntary context switches so far of every thread of process `pid` (a thread taken
+    off its core by another runnable thread)."""
+    n = 0
+    for t in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{t}/status") as f:
+                n += int(f.read().split("nonvoluntary_ctxt_switches:")[1].split()[0])
+        except (OSError, IndexError, ValueError):  # a thread that ended meanwhile
+            continue
+    return n
+
+
+def engine_preemptions(root: int) -> int:
+    """thread_preemptions of the engine's process in `folio serve`'s (or vLLM's) tree."""
+    import psutil
+
+    for p in psutil.Process(root).children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline()) + " " + p.name()
+        except psutil.Error:
+            continue
+        if "EngineWorker" in cmd or "EngineCor" in cmd:
+            return thread_preemptions(p.pid)
+    return 0
+
+
 SERVE_ENV = dict(os.environ, RAY_AUTH_MODE="disabled", HF_HUB_OFFLINE="1")
 
 
@@ -213,10 +248,12 @@ def _drive_server(srv: subprocess.Popen, port: int, target: str, ready_s: float 
             subprocess.run(bench + ["--num-requests", "4"], env=env, check=True, capture_output=True)  # warm-up
             time.sleep(0.5)  # the workers' counters reach /metrics with their heartbeat (100 ms)
             before, cpu0 = engine_counters(port), cpu_by_role(srv.pid)  # (vLLM: no such counters)
+            pre0 = engine_preemptions(srv.pid)
             client0 = resource.getrusage(resource.RUSAGE_CHILDREN)
             subprocess.run(bench + ["--num-requests", str(n * ROUNDS)], env=env, check=True, capture_output=True)
             client1 = resource.getrusage(resource.RUSAGE_CHILDREN)
             cpu1 = cpu_by_role(srv.pid)
+            preempted = engine_preemptions(srv.pid) - pre0
             time.sleep(0.5)
             after = engine_counters(port)
             s = json.load(open(out))["runs"][0]["summary"]
@@ -232,7 +269,10 @@ def _drive_server(srv: subprocess.Popen, port: int, target: str, ready_s: float 
                       # cost per token, less at the mercy of this machine's noise than tok/s
                       "cpu_s_per_1k_tokens": {k: round(1e3 * v / s["output_tokens"], 3) for k, v in cpu.items()},
                       "cpu_share_of_machine": {k: round(v / s["duration_s"] / os.cpu_count(), 3)
-                                               for k, v in cpu.items()}}
+                                               for k, v in cpu.items()},
+                      # the engine's threads taken off a core by other processes' threads
+                      "engine_involuntary_switches_per_s": round(preempted / s["duration_s"]),
+                      "engine_involuntary_switches_per_step": round(preempted / steps, 1) if steps else None}
         return res
     finally:
         # the whole tree gone before the next mode starts: Ray's workers outlive the driver
