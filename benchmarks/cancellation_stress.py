@@ -24,7 +24,7 @@ hundreds of tokens each, while the workers made only 1.2 % past it.) Worker RSS
 A miss: a round over 5 % past what was read, workers not idle (or KV not free) by the deadline, or a client
 error (a refused or failed request makes the round say nothing). Results per round, per run
 and overall in benchmarks/results/cancellation_stress.json; one summary line per run.
-tests/test_cancellation_serve.py runs one round of this against its own server.
+tests/e2e/test_cancellation_serve.py runs one round of this against its own server.
 """
 
 from __future__ import annotations

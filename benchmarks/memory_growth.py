@@ -189,7 +189,7 @@ def run_inprocess(args) -> dict:
     def structures() -> dict:
         e = w.engine
         return {"streams": len(w._streams), "sent": len(w._sent), "groups": len(e.groups),
-                "output_kind": len(e._output_kind)}
+                "output_kind": len(e.output_kinds)}
     try:
         while done < args.requests:
             n = min(args.sample_every, args.requests - done)

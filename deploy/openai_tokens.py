@@ -32,7 +32,7 @@ async def tokenize(frontend: Frontend, body: dict) -> dict:
         ids = await p.chat_ids(messages, req.add_generation_prompt is not False, dict(req.chat_template_kwargs or {}))
     elif req.prompt:
         p.check_length(len(req.prompt))
-        ids = await p.run(p._encode, req.prompt, req.add_special_tokens is not False, False)
+        ids = await p.run(p.encode, req.prompt, req.add_special_tokens is not False, False)
     else:
         ids = []
     out = {"count": len(ids), "max_model_len": frontend.cfg.max_model_len, "tokens": ids}

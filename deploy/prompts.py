@@ -70,12 +70,12 @@ class Prompts:
         if not text:
             raise InvalidRequestError("the prompt is empty")
         self.check_length(len(text))
-        ids = await self.run(self._encode, text, add_special_tokens, False)
+        ids = await self.run(self.encode, text, add_special_tokens, False)
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         return ids
 
-    def _encode(self, text: str, add_special: bool, split_special: bool) -> list[int]:
+    def encode(self, text: str, add_special: bool, split_special: bool) -> list[int]:
         try:
             return self.tokenizer(text, add_special_tokens=add_special, split_special_tokens=split_special).input_ids
         except (TypeError, ValueError) as e:  # e.g. a lone UTF-16 surrogate, which UTF-8 cannot hold
@@ -102,7 +102,7 @@ class Prompts:
             if any(m.get("tool_calls") for m in messages) or kwargs:
                 raise InvalidRequestError("this model has no chat template: tool_calls and chat_template_kwargs "
                                           "cannot be rendered", param="messages")
-            return self._encode(plain_chat_prompt(messages), True, True)
+            return self.encode(plain_chat_prompt(messages), True, True)
         # the template renders names, tool calls and kwargs itself: their text cannot be kept
         # apart from its markers, so one holding a special token's text is refused
         self._refuse_special([s for e in extra for s in e], "a message's name, tool_calls or tool_call_id, or "
@@ -119,9 +119,9 @@ class Prompts:
         ids: list[int] = []
         for k, piece in enumerate(pieces):
             if k % 2:
-                ids += self._encode(messages[int(piece)]["content"], False, True)
+                ids += self.encode(messages[int(piece)]["content"], False, True)
             elif piece:
-                ids += self._encode(piece, False, False)
+                ids += self.encode(piece, False, False)
         return ids
 
     def _refuse_special(self, texts: list[str], what: str) -> None:
@@ -134,7 +134,7 @@ class Prompts:
         """A template that does not put each content in verbatim: tokenize it whole, and refuse
         contents that would become special tokens."""
         self._refuse_special([m["content"] for m in messages], "message content")
-        return self._encode(self._render(messages, add_generation_prompt, kwargs), False, False)
+        return self.encode(self._render(messages, add_generation_prompt, kwargs), False, False)
 
     def _render(self, messages: list[dict], add_generation_prompt: bool = True, kwargs: dict | None = None) -> str:
         try:

@@ -7,7 +7,7 @@ Ray's node IP is 127.0.0.1), so that port would be the one way in from the netwo
 the proxy. `narrow_replica_grpc_bind()`, called when this module's deployment is loaded
 in the replica, rewrites that one bind to 127.0.0.1 when the node's IP is loopback; on a
 routable node IP (Kubernetes) nothing changes. It wraps a name in Ray's private replica
-module: if a Ray upgrade moves it, this does nothing and tests/test_binds.py fails.
+module: if a Ray upgrade moves it, this does nothing and tests/e2e/test_binds.py fails.
 """
 
 from __future__ import annotations

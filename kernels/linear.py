@@ -13,7 +13,7 @@ faster on the 2-core EPYC here (benchmarks/vs_peers_offline.py records the
 effect); vLLM's CPU backend does the same. Both are float32 with float32
 accumulation; they differ only in summation order (max |error| vs. float64 of
 the same order, ~1e-4 at |y| ~ 20), so greedy outputs stay those of transformers
-(tests/test_parity_hf.py runs on this path; tests/test_linear.py checks the
+(tests/engine/test_parity_hf.py runs on this path; tests/engine/test_linear.py checks the
 backends against each other).
 
 bfloat16 (a CPU with avx512_bf16 or AMX): the same reordered weight. Measured on the 2-core

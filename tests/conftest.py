@@ -153,3 +153,17 @@ def folio_server(model_dirs):
                      "--namespace", "fe", "--grace-period-s", "2",
                      "--served-model-name", "llama", "tiny") as server:  # the directory's name, and the alias
         yield server
+
+
+TIERS = ("unit", "engine", "cluster", "e2e")  # tests/<tier>/: pyproject.toml's markers and testpaths
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark each test with its tier (the folder it lives in), so `-m unit` or `-m "not e2e"`
+    select tiers; a test outside the tier folders is an error, not a test no tier runs."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    for item in items:
+        tier = os.path.relpath(str(item.path), root).split(os.sep)[0]
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: a test belongs in one of tests/{{{','.join(TIERS)}}}/")
+        item.add_marker(getattr(pytest.mark, tier))

@@ -640,9 +640,8 @@ class EngineWorker:
                 for rid, state, prio, arr, blocks in e.request_summaries(e.queued_request_ids()) if state != "running"]
         reqs.sort(key=lambda r: (r.priority, r.arrival_time, r.request_id))
         queued, least_urgent = e.queue_figures()
-        swap = getattr(e.kv, "swap", None)
         return WorkerLoad(self.worker_id, time.time(), st.num_kv_blocks, st.num_free_blocks, st.num_cpu_blocks,
-                          swap.num_free if swap is not None else 0, e.config.block_size, st.num_running,
+                          st.num_free_cpu_blocks, e.config.block_size, st.num_running,
                           st.num_waiting, st.num_swapped, queued, rate, st.num_preemptions, st.swapped_out_blocks,
                           st.swapped_in_blocks, self.num_migrations_in, self.num_migrations_out, self._draining,
                           reqs[:QUEUED_IN_LOAD],

@@ -28,6 +28,8 @@ def cdiv(a: int, b: int) -> int:
 class KVCacheManager(Protocol):
     block_size: int
     num_blocks: int
+    prefix_queries: int  # blocks looked up in the prefix cache (0 without one)
+    prefix_hits: int  # blocks found there
 
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]: ...
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ...,
@@ -46,6 +48,10 @@ class KVCacheManager(Protocol):
     def num_free_blocks(self) -> int: ...
     @property
     def usage(self) -> float: ...
+    @property
+    def num_free_cpu_blocks(self) -> int: ...  # free blocks of the swap space (0 without one)
+    @property
+    def cpu_usage(self) -> float: ...  # swap-space blocks in use / all (0.0 without one)
     def slot_stats(self, seqs: list[Sequence]) -> tuple[int, int]: ...
     def check_invariants(self, seqs: list[Sequence]) -> None: ...
     def cached_block_hashes(self) -> set[BlockHash]: ...
@@ -225,6 +231,14 @@ class PagedKVManager:
     @property
     def usage(self) -> float:
         return 1.0 - self.pool.num_free / self.num_blocks
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return self.swap.num_free
+
+    @property
+    def cpu_usage(self) -> float:
+        return self.swap.usage
 
     def slot_stats(self, seqs: list[Sequence]) -> tuple[int, int]:
         """(slots holding a computed token, slots in blocks owned by live sequences), shared blocks once."""

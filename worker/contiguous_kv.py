@@ -103,6 +103,12 @@ class ContiguousKVManager:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
+    # no swap space and no prefix cache: its victims are recomputed
+    num_free_cpu_blocks = 0
+    cpu_usage = 0.0
+    prefix_queries = 0
+    prefix_hits = 0
+
     def slot_stats(self, seqs: list[Sequence]) -> tuple[int, int]:
         used = sum(s.num_computed_tokens for s in seqs if s.seq_id in self.regions)
         return used, len(self.regions) * self.reserve_blocks * self.block_size

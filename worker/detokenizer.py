@@ -39,15 +39,15 @@ class Detokenizer:
         self.backend = tokenizer.backend_tokenizer  # a `tokenizers.Tokenizer`
 
     def _stream(self, seq: Sequence) -> DecodeStream:
-        if seq._decoder is None:
+        if seq.decoder is None:
             skip = seq.params.skip_special_tokens
             ctx = seq.token_ids[max(0, seq.num_prompt_tokens - _PROMPT_CONTEXT) : seq.num_prompt_tokens]
-            seq._decoder = DecodeStream(ids=ctx, skip_special_tokens=skip)
+            seq.decoder = DecodeStream(ids=ctx, skip_special_tokens=skip)
             # feed output tokens produced before this stream existed (an imported sequence:
             # their text is already in output_text) so the next token decodes in context
             for t in seq.token_ids[seq.num_prompt_tokens : seq.num_tokens - 1]:
-                self._step(seq._decoder, t)
-        return seq._decoder
+                self._step(seq.decoder, t)
+        return seq.decoder
 
     def _step(self, stream: DecodeStream, token_id: int) -> str:
         try:

@@ -81,7 +81,7 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.groups: dict[str, SequenceGroup] = {}
-        self._output_kind: dict[str, str] = {}
+        self.output_kinds: dict[str, str] = {}  # request id -> how its outputs are reported (migration.py carries it)
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -126,7 +126,7 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         group = SequenceGroup(request_id, token_ids, params, arrival, priority, text)
         self.groups[request_id] = group
-        self._output_kind[request_id] = output_kind
+        self.output_kinds[request_id] = output_kind
         self.scheduler.add(group)
         return request_id
 
@@ -156,7 +156,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks now. False if it is unknown or already done."""
         group = self.groups.pop(request_id, None)
-        self._output_kind.pop(request_id, None)
+        self.output_kinds.pop(request_id, None)
         if group is None:
             return False
         for seq in group.seqs:
@@ -376,7 +376,7 @@ class LLMEngine:
         outs = []
         for rid, why in blamed.items():
             group = self.groups.pop(rid, None)
-            self._output_kind.pop(rid, None)
+            self.output_kinds.pop(rid, None)
             if group is None:
                 continue
             for seq in group.seqs:
@@ -393,14 +393,14 @@ class LLMEngine:
     def _make_outputs(self, groups, now: float) -> list[RequestOutput]:
         outs = []
         for group in groups:
-            kind = self._output_kind.get(group.request_id, "final")
+            kind = self.output_kinds.get(group.request_id, "final")
             out = make_request_output(group, kind)
             if out is None:
                 continue
             if out.finished:
                 group.metrics.finished_time = now
                 self.groups.pop(group.request_id, None)
-                self._output_kind.pop(group.request_id, None)
+                self.output_kinds.pop(group.request_id, None)
             outs.append(out)
         return outs
 
@@ -415,7 +415,6 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         kv = self.kv
         st = self.scheduler.stats
-        swap = getattr(kv, "swap", None)
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -424,7 +423,8 @@ class LLMEngine:
             num_kv_blocks=self.num_kv_blocks,
             kv_usage=kv.usage,
             num_cpu_blocks=self.num_cpu_blocks,
-            cpu_usage=swap.usage if swap is not None else 0.0,
+            num_free_cpu_blocks=kv.num_free_cpu_blocks,
+            cpu_usage=kv.cpu_usage,
             num_preemptions=st.num_preemptions,
             preemptions_by_mode=dict(st.preemptions_by_mode),
             num_recomputed_tokens=st.num_recomputed_tokens,
@@ -433,8 +433,8 @@ class LLMEngine:
             swap_bytes=self.swap_bytes,
             swap_calls=self.swap_calls,
             swap_seconds=self.timings.swap,
-            prefix_cache_queries=getattr(kv, "prefix_queries", 0),
-            prefix_cache_hits=getattr(kv, "prefix_hits", 0),
+            prefix_cache_queries=kv.prefix_queries,
+            prefix_cache_hits=kv.prefix_hits,
             num_steps=self.num_steps,
             num_generated_tokens=self.num_generated_tokens,
         )

@@ -10,7 +10,7 @@ stored with the block (block_pool.py), never by trusting the hash.
 Speed (the router hashes every prompt it routes prefix-aware): the keyed state is made
 once per seed and copied per block, and a prompt's full blocks are converted to bytes
 in one go; the digests are the same as hashing each block from scratch
-(tests/test_hashing.py pins them).
+(tests/unit/test_hashing.py pins them).
 """
 
 from __future__ import annotations

@@ -74,17 +74,17 @@ def export_request(engine, request_id: str) -> RequestState:
         seqs.append(SequenceState(
             seq.index, list(seq.token_ids), seq.num_computed_tokens if data is not None else 0, seq.output_text,
             list(seq.logprobs) if seq.logprobs is not None else None, seq.finish_reason, seq.stop_reason,
-            seq.generator.get_state() if seq.generator is not None else None, seq._sent_tokens,
-            seq._sent_text_len, data))
+            seq.generator.get_state() if seq.generator is not None else None, seq.sent_tokens,
+            seq.sent_text_len, data))
     state = RequestState(request_id, group.prompt, list(group.prompt_token_ids), group.params, group.priority,
-                         group.arrival_time, group.forked, engine._output_kind.get(request_id, "final"), B, seqs,
+                         group.arrival_time, group.forked, engine.output_kinds.get(request_id, "final"), B, seqs,
                          list(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
                          group.prompt_logprobs_sent)
     for seq in group.seqs:
         if not seq.is_finished:
             engine.scheduler.finish(seq, "migrated")
     engine.groups.pop(request_id)
-    engine._output_kind.pop(request_id, None)
+    engine.output_kinds.pop(request_id, None)
     return state
 
 
@@ -119,13 +119,13 @@ def import_request(engine, state: RequestState) -> str:
         seq = Sequence(group, s.index, s.token_ids)
         seq.output_text, seq.finish_reason, seq.stop_reason = s.output_text, s.finish_reason, s.stop_reason
         seq.logprobs = list(s.logprobs) if s.logprobs is not None else None
-        seq._sent_tokens, seq._sent_text_len = s.sent_tokens, s.sent_text_len
+        seq.sent_tokens, seq.sent_text_len = s.sent_tokens, s.sent_text_len
         if s.rng_state is not None:
             seq.generator = torch.Generator(device="cpu")
             seq.generator.set_state(s.rng_state)
         group.seqs.append(seq)
     engine.groups[rid] = group
-    engine._output_kind[rid] = state.output_kind
+    engine.output_kinds[rid] = state.output_kind
     for seq, s in zip(group.seqs, state.seqs):
         if seq.finish_reason is not None:
             seq.status = SequenceStatus.FINISHED

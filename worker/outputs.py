@@ -21,13 +21,13 @@ def make_request_output(group: SequenceGroup, kind: str) -> RequestOutput | None
     completions = []
     for seq in group.seqs:
         if kind == "delta":
-            ids = seq.output_token_ids[seq._sent_tokens :]
+            ids = seq.output_token_ids[seq.sent_tokens :]
             # hold back what could still turn out to be the start of a stop string (detokenizer.py)
-            end = sendable_end(len(seq.output_text), seq._sent_text_len, seq.params.stop, seq.is_finished)
-            text = seq.output_text[seq._sent_text_len : end]
-            lps = seq.logprobs[seq._sent_tokens :] if seq.logprobs is not None else None
-            seq._sent_tokens += len(ids)
-            seq._sent_text_len = end
+            end = sendable_end(len(seq.output_text), seq.sent_text_len, seq.params.stop, seq.is_finished)
+            text = seq.output_text[seq.sent_text_len : end]
+            lps = seq.logprobs[seq.sent_tokens :] if seq.logprobs is not None else None
+            seq.sent_tokens += len(ids)
+            seq.sent_text_len = end
         else:
             ids, text, lps = seq.output_token_ids, seq.output_text, seq.logprobs
         completions.append(CompletionOutput(seq.index, ids, text, seq.finish_reason, seq.stop_reason, lps))

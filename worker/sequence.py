@@ -15,11 +15,13 @@ import enum
 import itertools
 import random
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from folio.worker.hashing import BlockHash
 from folio.worker.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # torch is imported where a generator is made: the scheduler's tests need none
+    import torch
 
 
 class SequenceStatus(enum.Enum):
@@ -38,7 +40,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "group", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "status", "block_hashes", "generator", "output_text", "logprobs", "finish_reason",
-        "stop_reason", "num_preemptions", "_decoder", "_sent_tokens", "_sent_text_len", "grammar",
+        "stop_reason", "num_preemptions", "decoder", "sent_tokens", "sent_text_len", "grammar",
     )
 
     def __init__(self, group: "SequenceGroup", index: int, token_ids: list[int]) -> None:
@@ -56,9 +58,9 @@ class Sequence:
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
         self.stop_reason: int | str | None = None  # the stop token id or string that matched
         self.num_preemptions = 0
-        self._decoder = None  # incremental detokenizer state (detokenizer.py)
-        self._sent_tokens = 0  # output tokens already reported (for streaming deltas)
-        self._sent_text_len = 0
+        self.decoder = None  # incremental detokenizer state (detokenizer.py)
+        self.sent_tokens = 0  # output tokens already reported (outputs.py; a migration carries both)
+        self.sent_text_len = 0  # characters of output_text already reported
         self.grammar = None  # structured output: its xgrammar matcher, made on first use (guided.py)
 
     # ---- derived figures -------------------------------------------------------------
@@ -125,6 +127,8 @@ class SequenceGroup:
     def make_generator(self, index: int) -> torch.Generator | None:
         if self.params.greedy:
             return None
+        import torch
+
         g = torch.Generator(device="cpu")
         seed = self.params.completion_seed(index)
         seed = random.getrandbits(63) if seed is None else seed

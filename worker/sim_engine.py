@@ -80,7 +80,7 @@ class SimulatedEngine(LLMEngine):
         self.detokenizer = _NoDetokenizer()
         self.eos_token_ids: set[int] = set()
         self.groups = {}
-        self._output_kind = {}
+        self.output_kinds = {}
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_generated_tokens = 0

@@ -27,6 +27,7 @@ class EngineStats:
     num_kv_blocks: int
     kv_usage: float  # device blocks in use / all
     num_cpu_blocks: int
+    num_free_cpu_blocks: int  # of the swap space
     cpu_usage: float  # swap-space blocks in use / all
     num_preemptions: int
     preemptions_by_mode: dict  # {"swap": n, "recompute": n}

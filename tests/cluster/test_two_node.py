@@ -382,7 +382,7 @@ def test_folio_serve_address_joins_a_two_node_cluster(two_nodes, model_dirs):
 
 
 # ---- 2. the Helm chart's application through `serve deploy` -------------------------------
-CHART = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helm", "folio")
+CHART = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "helm", "folio")
 # the chart's cpu-only shape (one worker pod of 2 logical GPUs), sized for the tiny model: a
 # 4 MiB KV cache is 256 blocks of 16 (the chart's 40 GB would be allocated on this CPU)
 CHART_ENGINE = dict(block_size=16, dtype="float32", kv_cache_layout="layer_major", kv_cache_memory_gb=0.004,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from folio.worker import LLM, SamplingParams
-from tests.conftest import PROMPTS
+from conftest import PROMPTS
 
 LONG = [PROMPTS[2] * 2, PROMPTS[5] + PROMPTS[0], PROMPTS[4]]  # 18-60 tokens: several blocks and chunks
 TOL = 1e-4

@@ -10,7 +10,7 @@ import pytest
 
 from folio.worker import LLM, ConfigError, InvalidRequestError, LLMEngine, ModelLoadError, SamplingParams
 from folio.worker.config import EngineConfig
-from tests.conftest import PROMPTS
+from conftest import PROMPTS
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 
 from folio.worker import LLM, SamplingParams
 from folio.worker.preemption import PreemptionRates, choose_mode
-from tests.conftest import PROMPTS
+from conftest import PROMPTS
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)

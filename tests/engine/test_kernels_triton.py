@@ -12,7 +12,7 @@ from folio.kernels import reference
 from folio.kernels.copy_blocks import copy_blocks as triton_copy_blocks
 from folio.kernels.paged_attention import paged_attention as triton_paged_attention
 from folio.kernels.write_kv import write_kv as triton_write_kv
-from tests.test_kernels_reference import block_major, dense_reference, make_case
+from test_kernels_reference import block_major, dense_reference, make_case
 
 # (gqa ratio, block size, head dim, dtype): every value of each axis at least once, both dtypes each
 CASES = [

@@ -17,7 +17,7 @@ from folio.worker import LLM, SamplingParams
 from folio.worker.errors import InvalidRequestError
 from folio.worker.sampler import process_logits, sample
 from folio.worker.sampling_params import check_vocab, resolve_bad_words
-from tests.conftest import MIN_REFERENCE_MARGIN, PROMPTS
+from conftest import MIN_REFERENCE_MARGIN, PROMPTS
 
 V = 40
 EOS = 7

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from folio.worker import LLM, SamplingParams
-from tests.conftest import PROMPTS
+from conftest import PROMPTS
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)

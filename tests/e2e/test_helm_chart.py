@@ -13,7 +13,7 @@ import yaml
 helm = pytest.importorskip("helm_python")
 kv = pytest.importorskip("kubernetes_validate")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHART = os.path.join(ROOT, "helm", "folio")
 CRDS = os.path.join(ROOT, "..", "shared", "kuberay-crds")
 BUILTIN = ("v1", "apps/v1", "policy/v1")
@@ -231,7 +231,7 @@ def test_build_context_excludes_tests_venvs_and_results():
             if p.startswith("**/") and fnmatch.fnmatch(os.path.basename(path), p[3:]):
                 return True
         return False
-    for path in ("tests/test_engine.py", ".venv/bin/python", ".venv-vllm/bin/python", "benchmarks/results/x.json",
+    for path in ("tests/engine/test_engine.py", ".venv/bin/python", ".venv-vllm/bin/python", "benchmarks/results/x.json",
                  "models/tiny/config.json", ".git/HEAD", "worker/__pycache__/engine.cpython-311.pyc"):
         assert ignored(path), path
     for path in ("worker/engine.py", "deploy/serve.py", "deploy/proto/folio/v1/generate.proto", "pyproject.toml",

@@ -14,7 +14,7 @@ from folio.worker import LLM, SamplingParams
 from folio.worker.errors import ModelLoadError
 from folio.worker.models import gguf_loader
 from folio.worker.models.config import ModelConfig
-from tests.conftest import MIN_REFERENCE_MARGIN
+from conftest import MIN_REFERENCE_MARGIN
 
 gguf = pytest.importorskip("gguf")
 
@@ -329,7 +329,7 @@ def test_tiny_gguf_matches_its_safetensors(model_dirs, tmp_path, arch, gguf_arch
     path = _to_gguf(src, str(tmp_path / f"{arch}.gguf"), gguf_arch)
     c = ModelConfig.from_dir(path)
     assert c.tie_word_embeddings == (arch == "qwen2") and c.qkv_bias == (arch == "qwen2")
-    from tests.conftest import PROMPTS
+    from conftest import PROMPTS
 
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     want = LLM(src, num_kv_blocks=256).generate(PROMPTS, params)

@@ -98,7 +98,7 @@ def test_worker_forgets_every_request(worker):
                 break
             await asyncio.sleep(0.01)
         await worker.check_invariants()
-        return await worker._call(lambda e: (len(e.groups), len(e._output_kind), e.kv.num_free_blocks))
+        return await worker._call(lambda e: (len(e.groups), len(e.output_kinds), e.kv.num_free_blocks))
 
     groups, kinds, free = asyncio.run(main())
     assert (len(worker._streams), len(worker._sent), groups, kinds) == (0, 0, 0, 0)

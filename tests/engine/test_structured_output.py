@@ -2,7 +2,7 @@
 enums, arrays, required fields, bounded numbers and strings) on a random-weight model, which
 would never write JSON by itself: every output parses and validates; regexes, choices and
 EBNF grammars likewise; a migration mid-output resumes the grammar exactly; a schema that
-cannot compile is a clear error. Through the servers in tests/test_frontends.py."""
+cannot compile is a clear error. Through the servers in tests/e2e/test_frontends.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from folio.worker import LLM, SamplingParams
 from folio.worker.errors import InvalidRequestError
 from folio.worker.guided import GuidedSpec
-from tests.conftest import PROMPTS
+from conftest import PROMPTS
 
 names = st.text(alphabet="abcdefghij_", min_size=1, max_size=6)
 leaf = st.one_of(

@@ -1,20 +1,15 @@
-"""The worker (step thread + async API), the router and the coordinator in one process:
-real engines on the tiny model, a real Redis, no Ray (the Ray cluster is test_cluster_ray.py)."""
+"""The worker (step thread + async API) in this process: real engines on the tiny model, a
+real Redis, no Ray. The router and the coordinator over such workers: test_router_coordinator.py;
+the Ray cluster: test_cluster_ray.py."""
 
 import asyncio
 import functools
-import time
 
 import pytest
 
-from folio.cluster.coordinator import Coordinator
-from folio.cluster.redis_server import EmbeddedRedis
-from folio.cluster.router import Router
-from folio.cluster.state import ClusterState, WorkerPublisher
-from folio.cluster.worker_client import LocalWorkerClient
+from folio.cluster.state import WorkerPublisher
 from folio.worker import LLM, EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
 from folio.worker.actor import EngineWorker
-from folio.worker.errors import FolioError
 from folio.worker.messages import GenerateRequest
 
 from conftest import PROMPTS
@@ -172,17 +167,6 @@ def test_a_frontends_channel_batches_its_requests_and_orders_its_aborts(model, o
     asyncio.run(main())
 
 
-def test_merge_chunks_unit():
-    from folio.worker.messages import CompletionDelta, StreamChunk, merge_chunks
-
-    a = StreamChunk("r", "w0", [CompletionDelta(0, [1], "a", 1), CompletionDelta(1, [7], "x", 1)], queue_s=0.5)
-    b = StreamChunk("r", "w0", [CompletionDelta(0, [2, 3], "bc", 3, "length")], finished=True, num_preemptions=1)
-    m = merge_chunks(a, b)
-    assert [(d.index, d.token_ids, d.text, d.num_tokens, d.finish_reason, d.logprobs) for d in m.deltas] == [
-        (0, [1, 2, 3], "abc", 3, "length", None), (1, [7], "x", 1, None, None)]
-    assert m.finished and m.queue_s == 0.5 and m.num_preemptions == 1 and m.migrated_to is None
-
-
 def test_closing_a_stream_aborts_the_request_and_frees_its_blocks(model):
     w = make_worker(model, "w0")
 
@@ -207,109 +191,6 @@ def test_closing_a_stream_aborts_the_request_and_frees_its_blocks(model):
         await w.check_invariants()
 
     asyncio.run(main())
-
-
-def test_router_follows_a_migration_without_losing_or_repeating_tokens(model, tokenizer):
-    params = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
-    expected = LLM(model, **ENGINE).generate([PROMPTS[2]], params)[0].token_ids
-    a, b = make_worker(model, "a"), make_worker(model, "b")
-    client = LocalWorkerClient({"a": a, "b": b})
-
-    async def main():
-        router = Router(state=None, client=client)
-        ids = tokenizer(PROMPTS[2]).input_ids
-        req = GenerateRequest("m", ids, params)
-        stream = router.generate(req, worker_id="a")
-        tokens, workers, moved = [], [], False
-        async for chunk in stream:
-            tokens += chunk.deltas[0].token_ids
-            workers.append(chunk.worker_id)
-            if len(tokens) >= 5 and not moved:
-                await client.move("a", "b", "m")
-                moved = True
-        assert tokens == expected
-        assert workers[0] == "a" and workers[-1] == "b"
-        assert (await a.stats())["num_migrations_out"] == 1 and (await b.stats())["num_migrations_in"] == 1
-        for w in (a, b):
-            st = await w.stats()
-            assert st["num_free_blocks"] == st["num_kv_blocks"]
-            await w.check_invariants()
-
-    asyncio.run(main())
-
-
-def test_a_refused_migration_neither_stalls_nor_breaks_the_stream(model, tokenizer):
-    """The destination refuses the import (another block size): the request goes on on the
-    source, on the same stream, at once. Before the import was confirmed first, the source
-    announced the move, the router attached to the destination and waited out its 10 s
-    attach timeout (10.00 s measured in 3 of 3 runs)."""
-    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
-    expected = LLM(model, **ENGINE).generate([PROMPTS[1]], params)[0].token_ids
-    a, b = make_worker(model, "a"), make_worker(model, "b", block_size=16)
-    client = LocalWorkerClient({"a": a, "b": b})
-
-    async def main():
-        router = Router(state=None, client=client)
-        req = GenerateRequest("m", tokenizer(PROMPTS[1]).input_ids, params)
-        tokens, times, workers, moves = [], [], [], []
-
-        async def refused_move():
-            try:
-                await client.move("a", "b", "m")
-            except FolioError as e:
-                return e
-        async for chunk in router.generate(req, worker_id="a"):
-            tokens += chunk.deltas[0].token_ids
-            times.append(time.monotonic())
-            workers.append(chunk.worker_id)
-            if len(tokens) >= 5 * (len(moves) + 1) and len(moves) < 3:  # refused three times, at different points
-                moves.append(asyncio.create_task(refused_move()))
-                await asyncio.sleep(0)
-        refusals = await asyncio.gather(*moves)
-        stall = max(t2 - t1 for t1, t2 in zip(times, times[1:]))
-        assert stall < 2.0, f"the stream stalled {stall:.2f} s on a refused migration"
-        assert len(refusals) == 3 and all(isinstance(e, InvalidRequestError) and "block size" in str(e)
-                                          for e in refusals), refusals
-        assert tokens == expected and set(workers) == {"a"}
-        for w in (a, b):
-            st = await w.stats()
-            assert st["num_free_blocks"] == st["num_kv_blocks"] and st["num_streams"] == 0
-            await w.check_invariants()
-        assert not getattr(a, "_moving", {}) and not getattr(b, "_arrivals", {})
-
-    asyncio.run(main())
-
-
-def test_coordinator_resumes_swapped_requests_on_the_idle_worker(model, tokenizer):
-    """A burst pinned to one small worker (~4x its KV) swaps requests out there; the
-    coordinator moves them to the other worker and every stream completes with the
-    offline engine's tokens."""
-    params = dict(GREEDY, max_tokens=100)
-    small = dict(num_kv_blocks=24, num_cpu_blocks=96)
-    ref = [o.token_ids for o in LLM(model, **{**ENGINE, **small}).generate(PROMPTS, SamplingParams(**params))]
-    with EmbeddedRedis() as server:
-        ns = "coord"
-        a, b = make_worker(model, "a", server.url, ns, **small), make_worker(model, "b", server.url, ns, **small)
-        client = LocalWorkerClient({"a": a, "b": b})
-        state = ClusterState(server.url, ns)
-
-        async def main():
-            router = Router(state, client)
-            coord = Coordinator(state, client, interval_s=0.05)
-            coord.start()
-            reqs = [GenerateRequest(f"r{i}", tokenizer(p).input_ids, SamplingParams(**params))
-                    for i, p in enumerate(PROMPTS)]
-            results = await asyncio.gather(*(collect(router.generate(r, worker_id="a")) for r in reqs))
-            await coord.stop()
-            return results, coord.stats()
-
-        results, cstats = asyncio.run(main())
-        for expected, (tokens, chunks) in zip(ref, results):
-            assert tokens[0] == expected
-        assert cstats["moves"] >= 1
-        sa, sb = asyncio.run(a.stats()), asyncio.run(b.stats())
-        assert sa["preemptions_by_mode"]["swap"] >= 1 and sb["num_migrations_in"] >= 1
-        assert any(c.worker_id == "b" for _, chunks in results for c in chunks)
 
 
 _OMP_CHECK = """
@@ -380,29 +261,3 @@ def test_the_engine_is_built_on_the_step_thread_and_a_failed_build_raises(model)
     built_on[-1].join(timeout=5)
     assert not built_on[-1].is_alive()
     assert Publisher.closed and not any(t.name == "folio-pub-wb" for t in threading.enumerate())
-
-
-def test_router_takes_a_dead_worker_back_once_it_heartbeats_again():
-    """A worker seen dying is skipped while Redis still holds its last heartbeat (up to the
-    TTL), and used again at once when a heartbeat newer than its death arrives (a restart),
-    not only after DEAD_HOLD_S."""
-    from folio.worker.messages import WorkerLoad
-
-    def load(ts):
-        return WorkerLoad("w", ts, 8, 8, 0, 0, 8, 0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0)
-    with EmbeddedRedis() as server:
-        pub, state = WorkerPublisher(server.url, "dead"), ClusterState(server.url, "dead")
-
-        async def main():
-            router = Router(state, LocalWorkerClient({}))
-            pub.publish(load(time.time()), set())
-            assert "w" in await router.live_loads(refresh=True)
-            router.mark_dead("w")
-            assert "w" not in await router.live_loads(refresh=True)  # its old heartbeat is still listed
-            pub.publish(load(time.time() - 0.5), set())  # measured before it died
-            assert "w" not in await router.live_loads(refresh=True)
-            await asyncio.sleep(0.01)
-            pub.publish(load(time.time()), set())  # restarted: a new heartbeat
-            assert "w" in await router.live_loads(refresh=True)
-        asyncio.run(main())
-
