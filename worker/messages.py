@@ -6,6 +6,7 @@ the whole request. The cluster reads them; the worker never imports the cluster.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from folio.worker.sampling_params import SamplingParams
@@ -101,3 +102,13 @@ class WorkerLoad:
     @property
     def kv_usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_kv_blocks if self.num_kv_blocks else 1.0
+
+
+# Times on the wire are wall clock (time.time()): processes and nodes share it; an engine
+# keeps monotonic times. These convert one to the other at the boundary.
+def wall_from_mono(t: float) -> float:
+    return time.time() - (time.monotonic() - t)
+
+
+def mono_from_wall(t: float) -> float:
+    return time.monotonic() - (time.time() - t)

@@ -1,0 +1,138 @@
+"""Part of EngineWorker (actor.py): a frontend's channel. Its commands (submit, abort,
+attach, close) arrive in ordered batches, over TCP (data_plane.py) or through Ray, and each
+request's chunks go out in its subscriber's Outbox (outbox.py), one frame per wake-up."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+
+from folio.worker.errors import InvalidRequestError, UnavailableError
+from folio.worker.messages import GenerateRequest, mono_from_wall
+from folio.worker.outbox import Outbox, Route
+
+CLOSED_KEPT = 1024  # subscribers whose stream closed: their late submits are refused
+
+
+class FrontendChannels:
+    async def commands(self, subscriber: str, batch: list[tuple[str, Any]]) -> list:
+        """Apply a frontend's messages in order, all in one pass between two steps:
+        ("submit", GenerateRequest), ("abort", request id), ("attach", request id). Each
+        request's chunks, or its error, go out on `subscriber`'s stream (subscribe()).
+        Returns one result per message (an abort's: whether it found the request)."""
+        self._loop = asyncio.get_running_loop()
+        if not isinstance(batch, list) or not all(
+                isinstance(m, tuple) and len(m) == 2 and (m[0] in ("abort", "attach", "close") or
+                                                          m[0] == "submit" and isinstance(m[1], GenerateRequest))
+                for m in batch):
+            raise InvalidRequestError("a malformed command batch: nothing of it was applied")
+        box = self._outbox(subscriber)
+        results: list = [None] * len(batch)
+        plan: list[tuple[int, str, Any]] = []
+        for i, (kind, arg) in enumerate(batch):
+            if kind == "submit":
+                if self._open_route(arg, box):
+                    plan.append((i, kind, arg))
+            elif kind == "abort":
+                plan.append((i, kind, arg))
+            elif kind == "attach":
+                self._loop.create_task(self._attach_route(arg, box))
+            elif kind == "close" and box is not None:  # a frontend that could not connect
+                self._close_subscriber(box)
+        if not plan:
+            return results
+
+        def run(e):
+            for i, kind, arg in plan:
+                if kind == "abort":
+                    results[i] = self._abort(arg)
+                    continue
+                try:
+                    self._add(e, arg.request_id, arg, mono_from_wall(arg.arrival_time)
+                              if arg.arrival_time is not None else None)
+                except Exception as err:  # refused: nothing is left behind; the error is its stream's
+                    self._put(arg.request_id, err)
+        try:
+            await self._call(run)
+        except UnavailableError as err:  # failed meanwhile
+            for i, kind, arg in plan:
+                if kind == "submit":
+                    self._put(arg.request_id, err)
+        return results
+
+    def _outbox(self, subscriber: str) -> Outbox | None:
+        if subscriber in self._closed:
+            return None
+        box = self._outboxes.get(subscriber)
+        if box is None:
+            box = self._outboxes[subscriber] = Outbox(subscriber)
+        return box
+
+    def _open_route(self, req: GenerateRequest, box: Outbox | None) -> bool:
+        """The request's entry in the stream table, or its error on `box` (False)."""
+        rid = req.request_id
+        if box is None:  # its frontend's stream closed: nobody would read it
+            return False
+        err = None
+        if self._draining or self.failed:
+            err = UnavailableError(f"worker {self.worker_id} is {'draining' if self._draining else 'failed'}")
+        elif rid in self._streams:
+            err = InvalidRequestError(f"request id {rid!r} is already in use")
+        if err is not None:
+            box.put(rid, err)
+            return False
+        self._streams[rid] = Route(box, rid, self._streams, self._sent)
+        self._sent[rid] = {}
+        return True
+
+    async def _attach_route(self, rid: str, box: Outbox | None) -> None:
+        """A request imported here by a migration: its chunks go to `box` from now on."""
+        if box is None:
+            return
+        await self._await_arrival(rid)
+        q = self._streams.get(rid)
+        if box.closed or not isinstance(q, asyncio.Queue) or self.failed:
+            if not box.closed:
+                box.put(rid, UnavailableError(f"request {rid!r} never arrived on worker {self.worker_id}"))
+            return
+        route = self._streams[rid] = Route(box, rid, self._streams, self._sent)
+        while not q.empty():
+            route.put_nowait(q.get_nowait())
+
+    async def data_address(self) -> tuple[str, int, str]:
+        """(host, port, token) of this worker's data plane (data_plane.py): `commands` in and
+        what `subscribe` yields out, over one TCP connection per subscriber instead of Ray."""
+        self._loop = asyncio.get_running_loop()
+        return await self._data.address()
+
+    async def subscribe(self, subscriber: str) -> AsyncIterator[list[tuple[str, Any]]]:
+        """Every (request id, chunk or error) for `subscriber`, one list per wake-up: a
+        step's outputs for one frontend as one message. Closing it aborts the subscriber's
+        requests still running here."""
+        self._loop = asyncio.get_running_loop()
+        box = self._outbox(subscriber)
+        if box is None:
+            return
+        try:
+            while True:
+                await box.ready.wait()
+                batch = box.take()
+                if batch:
+                    yield batch
+        finally:
+            self._close_subscriber(box)
+
+    def _close_subscriber(self, box: Outbox) -> None:
+        """The subscriber's stream ended: its late submits are refused, its requests here aborted."""
+        if box.closed:
+            return
+        box.closed = True
+        self._outboxes.pop(box.subscriber, None)
+        self._closed[box.subscriber] = None
+        while len(self._closed) > CLOSED_KEPT:
+            del self._closed[next(iter(self._closed))]
+        for rid, sink in list(self._streams.items()):
+            if isinstance(sink, Route) and sink.box is box:
+                del self._streams[rid]
+                self._sent.pop(rid, None)
+                self._send(lambda e, rid=rid: self._abort(rid))

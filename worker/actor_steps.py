@@ -1,0 +1,179 @@
+"""Part of EngineWorker (actor.py): the step thread. It alone touches the engine: it runs
+the commands the event loop sends it between two steps, steps the engine, and hands each
+step's chunks to the event loop in one hop."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import queue
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+from folio.worker.errors import RequestFailedError, UnavailableError, WorkerFailedError
+from folio.worker.messages import CompletionDelta, GenerateRequest, StreamChunk
+
+log = logging.getLogger("folio.worker")
+
+
+class StepLoop:
+    def _send(self, fn: Callable) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, fut))
+        self._wake.set()
+        return fut
+
+    async def _call(self, fn: Callable):
+        if self.failed:
+            raise UnavailableError(f"worker {self.worker_id} failed: {self.failed}")
+        return await asyncio.wrap_future(self._send(fn))
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if fut.set_running_or_notify_cancel():
+                try:
+                    result = fn(self.engine)
+                except BaseException as e:  # the caller gets it; the engine is unchanged (its contract)
+                    self._flush_out()
+                    fut.set_exception(e)
+                else:
+                    self._flush_out()  # what the command put goes out before its caller resumes
+                    fut.set_result(result)
+
+    def _add(self, e, rid: str, req: GenerateRequest, arrival: float | None) -> None:
+        if self._tombstones.take(rid):  # its abort came first: it ends before it starts
+            self._put(rid, StreamChunk(rid, self.worker_id, [CompletionDelta(0, [], "", 0, "abort")], finished=True))
+            return
+        e.add_request(rid, req.prompt_token_ids, req.params, priority=req.priority, arrival_time=arrival,
+                      output_kind="delta")
+        self.num_prompt_tokens += len(req.prompt_token_ids)
+        self._tombstones.seen(rid)
+
+    def _abort(self, rid: str) -> bool:
+        if not self.engine.abort(rid) and self._moving.pop(rid, None) is None:
+            self._tombstones.abort_unknown(rid)  # an abort that overtook its request still wins
+            return False
+        sent = self._sent.get(rid, {0: 0})
+        self._put(rid, StreamChunk(rid, self.worker_id, [CompletionDelta(i, [], "", n, "abort")
+                                                         for i, n in sorted(sent.items()) or [(0, 0)]], finished=True))
+        return True
+
+    def _put(self, rid: str, item) -> None:
+        """Queue `item` for the request's stream. The step thread's items go to the event loop
+        together, once per step (and after each command); anyone else's at once. Either way
+        they reach the loop in the order they were put."""
+        if threading.current_thread() is self._step_thread:
+            self._out.append((rid, item))
+        else:
+            self._post([(rid, item)])
+
+    def _flush_out(self) -> None:
+        if self._out:
+            items, self._out = self._out, []
+            self._post(items)
+
+    def _post(self, items: list) -> None:
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._deliver, items)
+            except RuntimeError:  # the event loop is gone (an in-process worker outliving it)
+                pass
+
+    def _deliver(self, items: list) -> None:
+        for rid, item in items:
+            q = self._streams.get(rid)
+            if q is not None:
+                q.put_nowait(item)
+
+    def _step_loop(self, engine_factory: Callable[[], Any], built: concurrent.futures.Future) -> None:
+        # OpenMP's thread count is per OS thread, and a new thread starts from OMP_NUM_THREADS,
+        # which Ray sets to the actor's num_cpus (1 for a fractional CPU): without this the
+        # forward ran on one core, at half speed, while torch.get_num_threads() said 2.
+        import torch
+
+        torch.set_num_threads(torch.get_num_threads())
+        self._step_thread = threading.current_thread()
+        # The engine is built here, on the thread that runs it: an engine loaded (and its
+        # linear layers warmed up) on another thread left that thread's OpenMP pool beside
+        # this one's, and every step ran 10-15 % slower (benchmarks/step_thread.py).
+        try:
+            self.engine = engine = engine_factory()
+        except BaseException as e:
+            built.set_exception(e)
+            return
+        built.set_result(None)
+        next_beat = 0.0
+        while not self._stop:
+            self._run_commands()
+            if self.failed is None and engine.has_unfinished_requests():
+                self._step_started = time.monotonic()
+                try:
+                    outs = engine.step()
+                except Exception:
+                    self._fail(traceback.format_exc())
+                    continue
+                finally:
+                    self._step_started = None
+                for out in outs:
+                    if out.error is not None:  # the engine failed this request alone (fault_isolation.py)
+                        self._put(out.request_id, RequestFailedError(out.error))
+                    else:
+                        self._dispatch(out)
+                self._flush_out()  # one hop to the event loop for the whole step
+            else:
+                self._wake.wait(0.05)
+                self._wake.clear()
+            now = time.monotonic()
+            if now >= next_beat:
+                next_beat = now + self.heartbeat_s
+                self._offer_load()
+
+    def _dispatch(self, out) -> None:
+        sent = self._sent.get(out.request_id)
+        if sent is None:  # its reader left (the abort it sent is on its way): nothing to stream
+            return
+        deltas = []
+        for c in out.outputs:
+            n = sent.get(c.index, 0) + len(c.token_ids)
+            sent[c.index] = n
+            deltas.append(CompletionDelta(c.index, list(c.token_ids), c.text, n, c.finish_reason, c.logprobs))
+        m = out.metrics
+        npre = m.num_preemptions if m is not None else 0
+        queue_s = None
+        if m is not None and m.first_scheduled_time is not None and not any(sent.get(c.index, 0) > len(c.token_ids)
+                                                                            for c in out.outputs):
+            queue_s = m.first_scheduled_time - m.arrival_time  # the request's first chunk
+        self._put(out.request_id, StreamChunk(out.request_id, self.worker_id, deltas, out.finished, None, npre,
+                                              queue_s, out.prompt_logprobs))
+
+    def _fail(self, tb: str) -> None:
+        """The engine raised inside a step: its state cannot be trusted. Every request fails
+        with a clear error, the worker refuses new ones, and its heartbeat stops."""
+        self.failed = tb.strip().splitlines()[-1]
+        log.error("worker %s failed:\n%s", self.worker_id, tb)
+        err = WorkerFailedError(f"worker {self.worker_id} failed: {self.failed}")
+        for rid in list(self._streams):
+            self._put(rid, err)
+        self._flush_out()
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._wake_arrivals)
+            except RuntimeError:
+                pass
+        if self.exit_on_failure_s is not None:  # the cluster restarts this process with a new engine
+            t = threading.Timer(self.exit_on_failure_s, os._exit, args=(1,))
+            t.daemon = True
+            t.start()
+
+    def _wake_arrivals(self) -> None:
+        for evs in self._arrivals.values():
+            for ev in evs:
+                ev.set()
