@@ -109,7 +109,10 @@ def main() -> int:
             got = {"folio bench": folio_bench(url, args, os.path.join(work, f"fb-{k}.json")),
                    "vllm bench serve": vllm_bench(url, args, work, model, str(k))}
         finally:
-            stop_server(proc) if server == "folio" else stop_vllm(proc)
+            if server == "folio":
+                stop_server(proc)
+            else:
+                stop_vllm(proc)
         runs.append({"server": server, "output_tokens_per_s": {t: round(v, 1) for t, v in got.items()}})
         print(server, runs[-1]["output_tokens_per_s"], flush=True)
     mean = {s: {t: round(sum(r["output_tokens_per_s"][t] for r in runs if r["server"] == s) / 2, 1)

@@ -10,13 +10,9 @@ export on src (the request leaves its engine; its stream stays open), import on 
 and only then src ends the stream with `migrated_to=dst` (finish_migration). If dst
 refuses or dies, src takes the request back on the same stream (cancel_migration).
 
-Through Ray, a frontend's requests on one worker share one channel (`Channel`, channel.py), one TCP
-connection to the worker (worker/data_plane.py; its address and token come over Ray): its
-submits, aborts and attaches go down it in order as batches (one in flight, awaited), and
-every chunk of all of them comes back on it, one frame per worker step: no Ray hop per
-request or step. A reader that leaves queues its abort on that channel at once (no await,
-nothing to lose), behind its own submit: the worker cannot miss it. Closing the connection
-aborts everything the frontend still had running on that worker.
+Through Ray, a frontend's requests on one worker share one channel (channel.py: one TCP
+connection, commands down it in order, every chunk back on it; no Ray hop per request or
+step); Ray carries the rest (the data port's address, migrations, the coordinator's calls).
 
 Errors come out as Folio's own: InvalidRequestError from the worker as is, a dead
 worker as WorkerDiedError (an UnavailableError).

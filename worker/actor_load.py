@@ -43,7 +43,7 @@ class LoadReports:
     def _alive(self) -> bool:
         """For the heartbeat's keep-alive (publisher thread): the step thread runs, has not
         failed, and is not stuck in one step."""
-        t = getattr(self, "_step_thread", None)
+        t = self._step_thread  # set by the step thread itself once it runs
         started = self._step_started
         return (not self.failed and not self._stop and t is not None and t.is_alive()
                 and (started is None or time.monotonic() - started < self.STEP_STALL_S))
