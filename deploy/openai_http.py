@@ -16,9 +16,11 @@ offset in the choice's text (the echoed prompt included).
 
 Bodies are parsed by the typed models of openai_schema.py (the bounds are SamplingParams');
 a request's prompts are checked, then admitted whole, and every path out of a run after
-admission (an error, a client gone) aborts its streams and releases its slots.
+admission (an error, a client gone) aborts its streams and releases its slots (openai_run.py).
+The answer is one JSON body (openai_response.py) or server-sent events (openai_sse.py); the
+error shape and statuses are openai_errors.py's.
 
-Handlers are plain functions of (frontend, body); deploy/serve_app.py mounts them on
+Handlers are plain functions of (frontend, body); deploy/serve_deployment.py mounts them on
 the FastAPI app that Ray Serve runs. A client that disconnects closes the stream,
 which aborts its request on the worker.
 """
@@ -26,47 +28,15 @@ which aborts its request on the worker.
 from __future__ import annotations
 
 import asyncio
-import json
-import time
-import uuid
-from typing import AsyncIterator
 
 from folio.deploy.auth import bearer_ok
-from folio.deploy.frontend import Admission, Frontend
-from folio.deploy.openai_logprobs import Choice, logprobs_chat, logprobs_completion, prompt_entries
+from folio.deploy.frontend import Frontend
+from folio.deploy.openai_errors import HTTPError
+from folio.deploy.openai_response import respond
+from folio.deploy.openai_run import Run
 from folio.deploy.openai_schema import ChatCompletionRequest, CompletionRequest, parse
-from folio.deploy.openai_tools import ToolCallStream
-from folio.worker.errors import FolioError, InvalidRequestError, OverloadedError, UnavailableError
+from folio.worker.errors import InvalidRequestError
 from folio.worker.sampling_params import SamplingParams
-
-RETRY_AFTER_S = 1
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str, type_: str, code: str | None = None, param: str | None = None,
-                 headers: dict | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def http_error(e: Exception) -> HTTPError:
-    """Folio's typed errors as their status; anything else is a 500, still in OpenAI's shape."""
-    if isinstance(e, HTTPError):
-        return e
-    if isinstance(e, InvalidRequestError):
-        return HTTPError(400, str(e), "invalid_request_error", param=getattr(e, "param", None))
-    if isinstance(e, OverloadedError):
-        return HTTPError(429, str(e), "rate_limit_error", "too_many_requests",
-                         headers={"Retry-After": str(RETRY_AFTER_S)})
-    if isinstance(e, UnavailableError):
-        return HTTPError(503, str(e), "service_unavailable", "unavailable")
-    if isinstance(e, FolioError):
-        return HTTPError(500, str(e), "internal_error")
-    return HTTPError(500, f"internal error ({type(e).__name__})", "internal_error")
 
 
 def check_auth(api_key: str | None, authorization: str | None) -> None:
@@ -113,86 +83,6 @@ def check_context(frontend: Frontend, prompts: list[list[int]], max_tokens: int,
                         "invalid_request_error", "context_length_exceeded", param=param)
 
 
-# ---- running ------------------------------------------------------------------------------
-class _Run:
-    """The streams of one API request: one per prompt, each with n completions; admitted whole
-    (`admission` holds a slot per prompt) and released whole when `events` ends, however it ends."""
-
-    def __init__(self, frontend: Frontend, prompts: list[list[int]], params: SamplingParams, priority: int,
-                 admission: Admission) -> None:
-        self.frontend, self.prompts, self.params, self.priority = frontend, prompts, params, priority
-        self.admission = admission
-        self.id = uuid.uuid4().hex
-        n_prompt = sum(len(p) for p in prompts)
-        self.usage = {"prompt_tokens": n_prompt, "completion_tokens": 0, "total_tokens": n_prompt}
-        self.echo: list[str] | None = None  # completions' echo: each prompt's text, put before its choices
-        self.prompt_logprobs: dict[int, list] = {}  # echo + logprobs: per prompt, from its first chunk
-
-    def prompt_entries(self, choice: int) -> list[dict]:
-        """Completions' logprobs entries of the echoed prompt of `choice` ([] without echo + logprobs)."""
-        if not self.echo or self.params.prompt_logprobs is None:
-            return []
-        i = choice // self.params.n
-        return prompt_entries(self.prompts[i], self.prompt_logprobs.get(i))
-
-    async def events(self) -> AsyncIterator[tuple[int, object]]:
-        """(choice index, CompletionDelta) as they come, across all prompts."""
-        n = self.params.n
-        queue: asyncio.Queue = asyncio.Queue()
-        gens = [self.frontend.generate(p, self.params, self.priority, f"{self.id}-{i}", self.admission)
-                for i, p in enumerate(self.prompts)]
-
-        async def pump(i, gen):
-            try:
-                async for chunk in gen:
-                    if chunk.prompt_logprobs is not None:
-                        self.prompt_logprobs[i] = chunk.prompt_logprobs
-                    for d in chunk.deltas:
-                        await queue.put((i * n + d.index, d))
-            except asyncio.CancelledError:
-                raise
-            except BaseException as e:
-                await queue.put(e)
-            finally:
-                queue.put_nowait(None)
-        tasks: list[asyncio.Task] = []
-        try:
-            # the first prompt's admission error surfaces before anything is sent
-            try:
-                head = await gens[0].__anext__()
-            except StopAsyncIteration:
-                head = None
-            tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens) if i > 0]
-            if head is not None:
-                if head.prompt_logprobs is not None:
-                    self.prompt_logprobs[0] = head.prompt_logprobs
-                for d in head.deltas:
-                    yield d.index, d
-                tasks.append(asyncio.create_task(pump(0, gens[0])))
-            open_ = len(tasks)
-            while open_:
-                item = await queue.get()
-                if item is None:
-                    open_ -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
-        finally:  # stop every stream (a client gone, or an error, aborts all its requests)
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            try:
-                for g in gens:
-                    await g.aclose()
-            finally:
-                self.admission.release()
-
-    def count(self, d) -> None:
-        self.usage["completion_tokens"] += len(d.token_ids)
-        self.usage["total_tokens"] = self.usage["prompt_tokens"] + self.usage["completion_tokens"]
-
-
 def _too_many_prompts(frontend: Frontend, body) -> None:
     """Before anything runs per prompt (checks, parsing, tokenizing): a list of more prompts
     than the frontend can ever admit, or token ids that cannot fit, is refused at once (a
@@ -216,6 +106,7 @@ async def _parse(model, body):
     return parse(model, body) if small else await asyncio.to_thread(parse, model, body)
 
 
+# ---- the handlers: parse, check, admit, run (openai_run.py), respond (openai_response.py) --
 async def completions(frontend: Frontend, body: dict):
     """Returns a dict (non-streaming) or an async iterator of SSE byte strings."""
     _too_many_prompts(frontend, body)
@@ -234,7 +125,8 @@ async def completions(frontend: Frontend, body: dict):
     echo = None
     if req.echo:  # the prompt as given; token ids (or a truncated prompt) decoded
         echo = [p if isinstance(p, str) and req.truncate_prompt_tokens is None
-                else await frontend.prompts.run(frontend.tokenizer.decode, ids) for p, ids in zip(req.prompts(), prompts)]
+                else await frontend.prompts.run(frontend.tokenizer.decode, ids)
+                for p, ids in zip(req.prompts(), prompts)]
     return await _start(frontend, req, prompts, params, False, model, echo)
 
 
@@ -259,133 +151,15 @@ async def _start(frontend: Frontend, req, prompts: list[list[int]], params: Samp
     frontend.check(prompts, params, priority)
     admission = frontend.admit(len(prompts))
     try:
-        run = _Run(frontend, prompts, params, priority, admission)
+        run = Run(frontend, prompts, params, priority, admission)
     except BaseException:
         admission.release()
         raise
     run.echo = echo
-    return await _respond(frontend, req, run, chat, model)
+    return await respond(frontend, req, run, chat, model)
 
 
-async def _respond(frontend: Frontend, req, run: _Run, chat: bool, model: str):
-    created = int(time.time())
-    obj = "chat.completion" if chat else "text_completion"
-    rid = ("chatcmpl-" if chat else "cmpl-") + (req.request_id or run.id)
-    events = run.events()
-    try:
-        first = await events.__anext__()  # admission and validation errors surface here, as a status code
-    except StopAsyncIteration:
-        first = None
-    except BaseException:
-        await events.aclose()  # (finished already when it raised; released its admission)
-        raise
-
-    async def all_events():
-        try:
-            if first is not None:
-                yield first
-            async for e in events:
-                yield e
-        finally:
-            await events.aclose()
-
-    if req.stream:
-        return _sse(all_events(), run, rid, obj + (".chunk" if chat else ""), created, model, chat, req, frontend)
-    choices: dict[int, Choice] = {}
-    try:
-        async for i, d in all_events():
-            run.count(d)
-            if i not in choices:
-                choices[i] = Choice(run.echo[i // run.params.n] if run.echo else "")
-            choices[i].add(d)
-    finally:
-        await events.aclose()
-    out = []
-    as_ids = bool(req.return_tokens_as_token_ids)
-    for i in sorted(choices):
-        c = choices[i]
-        text = "".join(c.texts)
-        lp = None
-        if run.params.logprobs is not None:
-            if chat:
-                lp = await frontend.prompts.run(logprobs_chat, frontend.tokenizer, c.entries, run.params.logprobs,
-                                                as_ids)
-            else:
-                echoed = run.prompt_entries(i)
-                spans = [(0, len(c.texts[0]), len(echoed))] * bool(echoed) + c.spans
-                lp = await frontend.prompts.run(logprobs_completion, frontend.tokenizer, echoed + c.entries,
-                                                run.params.logprobs, spans, as_ids)
-        if chat:
-            message: dict = {"role": "assistant", "content": text}
-            reason = c.reason
-            plan = req.tool_plan()
-            if plan.mode != "none":
-                message["content"], calls = plan.parse(text)
-                if calls:
-                    message["tool_calls"] = calls
-                    reason = "tool_calls" if reason == "stop" else reason
-            out.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
-        else:
-            out.append({"index": i, "text": text, "logprobs": lp, "finish_reason": c.reason})
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": out, "usage": run.usage}
-
-
-async def _sse(events, run, rid, obj, created, model, chat, req, frontend) -> AsyncIterator[bytes]:
-    tok = frontend.tokenizer
-    as_ids = bool(req.return_tokens_as_token_ids)
-
-    def line(payload) -> bytes:
-        return f"data: {json.dumps(payload)}\n\n".encode()
-    lengths: dict[int, int] = {}  # characters streamed so far per choice
-    plan = req.tool_plan() if chat else None
-    tools: dict[int, ToolCallStream] = {}  # per choice, with tools: text -> content and tool-call deltas
-    try:
-        async for i, d in events:
-            run.count(d)
-            if chat:
-                delta = {} if i in lengths else {"role": "assistant"}
-                lengths[i] = 0
-                text, calls, reason = d.text, [], d.finish_reason
-                if plan.mode != "none":
-                    parser = tools.get(i) or tools.setdefault(i, plan.stream())  # made once per choice
-                    text, calls = parser.feed(d.text)
-                    if reason is not None:
-                        more, last = parser.finish()
-                        text, calls = text + more, calls + last
-                        if parser.calls and reason == "stop":
-                            reason = "tool_calls"
-                if text:
-                    delta["content"] = text
-                if calls:
-                    delta["tool_calls"] = calls
-                choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
-                if d.logprobs and run.params.logprobs is not None:
-                    choice["logprobs"] = logprobs_chat(tok, d.logprobs, run.params.logprobs, as_ids)
-            else:
-                echoed = run.prompt_entries(i) if i not in lengths else []  # with the echo, its logprobs
-                prefix = run.echo[i // run.params.n] if run.echo and i not in lengths else ""
-                at = lengths.get(i, 0) + len(prefix)
-                lengths[i] = at + len(d.text)
-                choice = {"index": i, "text": prefix + d.text, "logprobs": None, "finish_reason": d.finish_reason}
-                if (d.logprobs or echoed) and run.params.logprobs is not None:
-                    spans = [(0, len(prefix), len(echoed))] * bool(echoed) + [(at, len(d.text), len(d.logprobs or []))]
-                    choice["logprobs"] = logprobs_completion(tok, echoed + (d.logprobs or []), run.params.logprobs,
-                                                              spans, as_ids)
-            chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
-            if req.include_usage:
-                chunk["usage"] = dict(run.usage) if req.continuous_usage else None
-            yield line(chunk)
-        if req.include_usage:
-            yield line({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-                        "usage": run.usage})
-    except Exception as e:  # after the first byte the status is sent: report in the stream
-        frontend.count_error(e)
-        yield line(http_error(e).body())
-    finally:
-        await events.aclose()  # a client gone (or an error) aborts every stream of the request
-    yield b"data: [DONE]\n\n"
-
-
+# ---- /v1/models ---------------------------------------------------------------------------
 def model_card(frontend: Frontend, name: str) -> dict:
     return {"id": name, "object": "model", "created": 0, "owned_by": "folio", "root": served_names(frontend.cfg)[0],
             "parent": None, "max_model_len": frontend.cfg.max_model_len}

@@ -3,10 +3,11 @@
 Rows whose requests ask for it first have their logits processed (`process_logits`, batched:
 one masked or scattered tensor operation per kind over all the rows that use it, in vLLM's
 order): the structured-output grammar's mask (guided.py), allowed_token_ids, bad words,
-logit_bias, min_tokens, then the repetition, frequency and presence penalties. Greedy rows then take the argmax. Sampled rows go through temperature,
-top-k, top-p and min-p (batched over rows), then each row draws with its own generator, so a
-seeded request gets the same tokens whatever else shares its batch. Logprobs are those of the
-raw logits (vLLM's default `raw_logprobs`).
+logit_bias, min_tokens, then the repetition, frequency and presence penalties (`_penalize`).
+Greedy rows then take the argmax. Sampled rows go through temperature, top-k, top-p and min-p
+(batched over rows), then each row draws with its own generator, so a seeded request gets the
+same tokens whatever else shares its batch. Logprobs are those of the raw logits (vLLM's
+default `raw_logprobs`).
 """
 
 from __future__ import annotations
@@ -101,6 +102,14 @@ def process_logits(logits: torch.Tensor, params: list, histories: Sequence[Histo
             t += sorted(stops)
     if r:
         put(r, t, [NEG_INF] * len(r))
+    _penalize(logits, rows, params, histories)
+    return logits
+
+
+def _penalize(logits: torch.Tensor, rows: list[int], params: list, histories: Sequence[History]) -> None:
+    """The repetition, frequency and presence penalties of `rows`, in place on float32 logits [N, V]:
+    one gather / scatter per kind over the rows that use it."""
+    vocab, device = logits.shape[-1], logits.device
     rep = [i for i in rows if params[i].repetition_penalty != 1.0]
     if rep:  # HF's RepetitionPenaltyLogitsProcessor: every id of the prompt and the output
         ids = _padded([histories[i].token_ids for i in rep], device).clamp_(0, vocab - 1)
@@ -123,7 +132,6 @@ def process_logits(logits: torch.Tensor, params: list, histories: Sequence[Histo
         freq = torch.tensor([params[i].frequency_penalty for i in pen], dtype=logits.dtype, device=device)[:, None]
         pres = torch.tensor([params[i].presence_penalty for i in pen], dtype=logits.dtype, device=device)[:, None]
         logits[r, ids] = logits[r, ids] - freq * c - pres
-    return logits
 
 
 def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

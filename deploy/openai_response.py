@@ -1,0 +1,81 @@
+"""The response to an admitted completions or chat completions request: one JSON body
+({"id", "object", "created", "model", "choices", "usage"}), or with `stream` an async iterator
+of server-sent events (openai_sse.py).
+
+`respond()` waits for the run's first event before answering, so that admission and validation
+errors surface as a status code; after it, a stream reports errors in the stream. Chat choices
+carry the tool calls that the request's tool plan finds in their text (finish_reason "tool_calls"
+where it was "stop"); completion choices start with their prompt's text under `echo`.
+"""
+
+from __future__ import annotations
+
+import time
+
+from folio.deploy.frontend import Frontend
+from folio.deploy.openai_logprobs import Choice, logprobs_chat, logprobs_completion
+from folio.deploy.openai_run import Run
+from folio.deploy.openai_sse import sse
+
+
+async def respond(frontend: Frontend, req, run: Run, chat: bool, model: str):
+    created = int(time.time())
+    obj = "chat.completion" if chat else "text_completion"
+    rid = ("chatcmpl-" if chat else "cmpl-") + (req.request_id or run.id)
+    events = run.events()
+    try:
+        first = await events.__anext__()  # admission and validation errors surface here, as a status code
+    except StopAsyncIteration:
+        first = None
+    except BaseException:
+        await events.aclose()  # (finished already when it raised; released its admission)
+        raise
+
+    async def all_events():
+        try:
+            if first is not None:
+                yield first
+            async for e in events:
+                yield e
+        finally:
+            await events.aclose()
+
+    if req.stream:
+        return sse(all_events(), run, rid, obj + (".chunk" if chat else ""), created, model, chat, req, frontend)
+    choices: dict[int, Choice] = {}
+    try:
+        async for i, d in all_events():
+            run.count(d)
+            if i not in choices:
+                choices[i] = Choice(run.echo[i // run.params.n] if run.echo else "")
+            choices[i].add(d)
+    finally:
+        await events.aclose()
+    out = []
+    as_ids = bool(req.return_tokens_as_token_ids)
+    for i in sorted(choices):
+        c = choices[i]
+        text = "".join(c.texts)
+        lp = None
+        if run.params.logprobs is not None:
+            if chat:
+                lp = await frontend.prompts.run(logprobs_chat, frontend.tokenizer, c.entries, run.params.logprobs,
+                                                as_ids)
+            else:
+                echoed = run.prompt_entries(i)
+                spans = [(0, len(c.texts[0]), len(echoed))] * bool(echoed) + c.spans
+                lp = await frontend.prompts.run(logprobs_completion, frontend.tokenizer, echoed + c.entries,
+                                                run.params.logprobs, spans, as_ids)
+        if chat:
+            message: dict = {"role": "assistant", "content": text}
+            reason = c.reason
+            plan = req.tool_plan()
+            if plan.mode != "none":
+                message["content"], calls = plan.parse(text)
+                if calls:
+                    message["tool_calls"] = calls
+                    reason = "tool_calls" if reason == "stop" else reason
+            out.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
+        else:
+            out.append({"index": i, "text": text, "logprobs": lp, "finish_reason": c.reason})
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": out, "usage": run.usage}

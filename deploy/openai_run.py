@@ -1,0 +1,96 @@
+"""The run of one admitted OpenAI API request: its prompts' streams on the workers, merged into
+one sequence of (choice index, CompletionDelta), with the request's token usage.
+
+Choice i is completion i % n of prompt i // n. Admitted whole by the caller (an Admission holding
+a slot per prompt, openai_http.py) and released whole when `events()` ends, however it ends; an
+error in any stream, or a client gone (the events closed early), aborts all of the request's streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import AsyncIterator
+
+from folio.deploy.frontend import Admission, Frontend
+from folio.deploy.openai_logprobs import prompt_entries
+from folio.worker.sampling_params import SamplingParams
+
+
+class Run:
+    """The streams of one API request: one per prompt, each with n completions; admitted whole
+    (`admission` holds a slot per prompt) and released whole when `events` ends, however it ends."""
+
+    def __init__(self, frontend: Frontend, prompts: list[list[int]], params: SamplingParams, priority: int,
+                 admission: Admission) -> None:
+        self.frontend, self.prompts, self.params, self.priority = frontend, prompts, params, priority
+        self.admission = admission
+        self.id = uuid.uuid4().hex
+        n_prompt = sum(len(p) for p in prompts)
+        self.usage = {"prompt_tokens": n_prompt, "completion_tokens": 0, "total_tokens": n_prompt}
+        self.echo: list[str] | None = None  # completions' echo: each prompt's text, put before its choices
+        self.prompt_logprobs: dict[int, list] = {}  # echo + logprobs: per prompt, from its first chunk
+
+    def prompt_entries(self, choice: int) -> list[dict]:
+        """Completions' logprobs entries of the echoed prompt of `choice` ([] without echo + logprobs)."""
+        if not self.echo or self.params.prompt_logprobs is None:
+            return []
+        i = choice // self.params.n
+        return prompt_entries(self.prompts[i], self.prompt_logprobs.get(i))
+
+    async def events(self) -> AsyncIterator[tuple[int, object]]:
+        """(choice index, CompletionDelta) as they come, across all prompts."""
+        n = self.params.n
+        queue: asyncio.Queue = asyncio.Queue()
+        gens = [self.frontend.generate(p, self.params, self.priority, f"{self.id}-{i}", self.admission)
+                for i, p in enumerate(self.prompts)]
+
+        async def pump(i, gen):
+            try:
+                async for chunk in gen:
+                    if chunk.prompt_logprobs is not None:
+                        self.prompt_logprobs[i] = chunk.prompt_logprobs
+                    for d in chunk.deltas:
+                        await queue.put((i * n + d.index, d))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:
+                await queue.put(e)
+            finally:
+                queue.put_nowait(None)
+        tasks: list[asyncio.Task] = []
+        try:
+            # the first prompt's admission error surfaces before anything is sent
+            try:
+                head = await gens[0].__anext__()
+            except StopAsyncIteration:
+                head = None
+            tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens) if i > 0]
+            if head is not None:
+                if head.prompt_logprobs is not None:
+                    self.prompt_logprobs[0] = head.prompt_logprobs
+                for d in head.deltas:
+                    yield d.index, d
+                tasks.append(asyncio.create_task(pump(0, gens[0])))
+            open_ = len(tasks)
+            while open_:
+                item = await queue.get()
+                if item is None:
+                    open_ -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:  # stop every stream (a client gone, or an error, aborts all its requests)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            try:
+                for g in gens:
+                    await g.aclose()
+            finally:
+                self.admission.release()
+
+    def count(self, d) -> None:
+        self.usage["completion_tokens"] += len(d.token_ids)
+        self.usage["total_tokens"] = self.usage["prompt_tokens"] + self.usage["completion_tokens"]

@@ -1,0 +1,75 @@
+"""A run's events as OpenAI's server-sent events: one `data: <chunk>` per CompletionDelta, a
+usage chunk last with stream_options.include_usage (usage in every chunk with vLLM's
+continuous_usage_stats), then `data: [DONE]`.
+
+Chat chunks carry `delta`s (the role first, then content and tool-call deltas from the request's
+tool plan); completion chunks carry `text`, the first of each choice led by its echoed prompt, with
+logprobs' text_offset counted over the choice's text. An error after the first byte (the status is
+sent) is reported as an error chunk before [DONE]; the stream's end, however it comes, closes the
+run's events, which aborts every stream of the request.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import AsyncIterator
+
+from folio.deploy.openai_errors import http_error
+from folio.deploy.openai_logprobs import logprobs_chat, logprobs_completion
+from folio.deploy.openai_tools import ToolCallStream
+
+
+async def sse(events, run, rid, obj, created, model, chat, req, frontend) -> AsyncIterator[bytes]:
+    tok = frontend.tokenizer
+    as_ids = bool(req.return_tokens_as_token_ids)
+
+    def line(payload) -> bytes:
+        return f"data: {json.dumps(payload)}\n\n".encode()
+    lengths: dict[int, int] = {}  # characters streamed so far per choice
+    plan = req.tool_plan() if chat else None
+    tools: dict[int, ToolCallStream] = {}  # per choice, with tools: text -> content and tool-call deltas
+    try:
+        async for i, d in events:
+            run.count(d)
+            if chat:
+                delta = {} if i in lengths else {"role": "assistant"}
+                lengths[i] = 0
+                text, calls, reason = d.text, [], d.finish_reason
+                if plan.mode != "none":
+                    parser = tools.get(i) or tools.setdefault(i, plan.stream())  # made once per choice
+                    text, calls = parser.feed(d.text)
+                    if reason is not None:
+                        more, last = parser.finish()
+                        text, calls = text + more, calls + last
+                        if parser.calls and reason == "stop":
+                            reason = "tool_calls"
+                if text:
+                    delta["content"] = text
+                if calls:
+                    delta["tool_calls"] = calls
+                choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
+                if d.logprobs and run.params.logprobs is not None:
+                    choice["logprobs"] = logprobs_chat(tok, d.logprobs, run.params.logprobs, as_ids)
+            else:
+                echoed = run.prompt_entries(i) if i not in lengths else []  # with the echo, its logprobs
+                prefix = run.echo[i // run.params.n] if run.echo and i not in lengths else ""
+                at = lengths.get(i, 0) + len(prefix)
+                lengths[i] = at + len(d.text)
+                choice = {"index": i, "text": prefix + d.text, "logprobs": None, "finish_reason": d.finish_reason}
+                if (d.logprobs or echoed) and run.params.logprobs is not None:
+                    spans = [(0, len(prefix), len(echoed))] * bool(echoed) + [(at, len(d.text), len(d.logprobs or []))]
+                    choice["logprobs"] = logprobs_completion(tok, echoed + (d.logprobs or []), run.params.logprobs,
+                                                              spans, as_ids)
+            chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+            if req.include_usage:
+                chunk["usage"] = dict(run.usage) if req.continuous_usage else None
+            yield line(chunk)
+        if req.include_usage:
+            yield line({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+                        "usage": run.usage})
+    except Exception as e:  # after the first byte the status is sent: report in the stream
+        frontend.count_error(e)
+        yield line(http_error(e).body())
+    finally:
+        await events.aclose()  # a client gone (or an error) aborts every stream of the request
+    yield b"data: [DONE]\n\n"
