@@ -109,7 +109,7 @@ def decode_bench(ops_triton, batch: int, ctx: int, block_size: int = 16, heads: 
     q = torch.randn(batch, heads, head_dim, device="cuda", dtype=dtype)
     qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
     lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
-    from folio.kernels.reference import AttentionPlan
+    from folio.kernels.attention_plan import AttentionPlan
 
     plan = AttentionPlan([], [], max_query_len=1)
     scale = head_dim ** -0.5

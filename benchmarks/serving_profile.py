@@ -39,7 +39,7 @@ COMPONENTS = [
     ("worker streaming (outbox, channel)", ["outbox.py", "actor.py", "worker_client.py", "messages.py"]),
     ("heartbeat + Redis", ["heartbeat.py", "state.py", "redis/", "prefix_walk.py"]),
     ("router", ["router.py", "policies.py", "hashing.py"]),
-    ("HTTP / SSE / JSON", ["openai_http.py", "openai_logprobs.py", "serve_app.py", "starlette/", "uvicorn/",
+    ("HTTP / SSE / JSON", ["openai_http.py", "openai_logprobs.py", "serve_deployment.py", "starlette/", "uvicorn/",
                            "fastapi/", "h11/", "json/"]),
     ("gRPC server", ["grpc_server.py", "grpc/", "protobuf"]),
     ("frontend (admission, metrics)", ["frontend.py", "metrics.py", "prometheus_client"]),

@@ -116,7 +116,7 @@ class Coordinator:
 
 
 class CoordinatorActor:
-    """The Ray actor around Coordinator (see folio.cluster.app for its options)."""
+    """The Ray actor around Coordinator (see folio.cluster.launcher for its options)."""
 
     def __init__(self, redis_url: str, namespace: str, ray_namespace: str | None = None, **kw) -> None:
         from folio.cluster.worker_client import RayWorkerClient

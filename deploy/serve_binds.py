@@ -2,7 +2,7 @@
 
 Ray Serve 2.60 starts, in every replica, an inter-deployment gRPC server (its ASGI
 service: it runs the deployment's HTTP app) on `[::]:0`, hard-coded, with no option.
-With `folio serve --host 127.0.0.1` everything else listens on loopback (cluster/app.py:
+With `folio serve --host 127.0.0.1` everything else listens on loopback (cluster/launcher.py:
 Ray's node IP is 127.0.0.1), so that port would be the one way in from the network, past
 the proxy. `narrow_replica_grpc_bind()`, called when this module's deployment is loaded
 in the replica, rewrites that one bind to 127.0.0.1 when the node's IP is loopback; on a

@@ -3,12 +3,13 @@
 Each op has a pure-torch reference (`reference.py`: the CPU path and the oracle)
 and a Triton kernel (`paged_attention.py`, `write_kv.py`, `copy_blocks.py`: the
 GPU path). `backend.get_ops(device)` picks the implementation; the names exported
-here are the references.
+here are the references. `attention_plan.py`: what attention derives once per step from
+the batch's layout, for every layer.
 """
 
+from folio.kernels.attention_plan import AttentionPlan, kv_bytes_per_token, plan_attention
 from folio.kernels.backend import KernelOps, get_ops
-from folio.kernels.reference import (AttentionPlan, copy_blocks, kv_bytes_per_token, paged_attention,
-                                     plan_attention, swap_blocks, write_kv)
+from folio.kernels.reference import copy_blocks, paged_attention, swap_blocks, write_kv
 
 __all__ = ["write_kv", "paged_attention", "copy_blocks", "swap_blocks", "plan_attention", "AttentionPlan",
            "kv_bytes_per_token", "get_ops", "KernelOps"]

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from folio.kernels import reference
+from folio.kernels import attention_plan, reference
 
 BACKENDS = ("torch", "triton")
 
@@ -31,13 +31,13 @@ class KernelOps:
 
 
 TORCH_OPS = KernelOps("torch", reference.write_kv, reference.paged_attention, reference.copy_blocks,
-                      reference.swap_blocks, reference.plan_attention)
+                      reference.swap_blocks, attention_plan.plan_attention)
 
 
 def _plan_for_triton(block_tables, seq_lens, query_start_loc, block_size, kv_bytes_per_token):
     """The Triton kernel needs only the grid size: the longest query of the batch."""
     max_q = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if seq_lens.numel() else 0
-    return reference.AttentionPlan(decode=[], prefill=[], max_query_len=max_q)
+    return attention_plan.AttentionPlan(decode=[], prefill=[], max_query_len=max_q)
 
 
 def _triton_ops() -> KernelOps:
@@ -49,7 +49,7 @@ def _triton_ops() -> KernelOps:
     return KernelOps("triton", write_kv, paged_attention, copy_blocks, reference.swap_blocks, _plan_for_triton)
 
 
-def backend_name(device: torch.device) -> str:
+def attention_backend(device: torch.device) -> str:
     name = os.environ.get("FOLIO_ATTENTION_BACKEND", "").strip().lower()
     if not name:
         return "triton" if device.type == "cuda" else "torch"
@@ -59,4 +59,4 @@ def backend_name(device: torch.device) -> str:
 
 
 def get_ops(device: torch.device | str) -> KernelOps:
-    return _triton_ops() if backend_name(torch.device(device)) == "triton" else TORCH_OPS
+    return _triton_ops() if attention_backend(torch.device(device)) == "triton" else TORCH_OPS

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 BACKENDS = ("torch", "onednn")
 
 
-def backend_name(device: torch.device, dtype: torch.dtype) -> str:
+def linear_backend(device: torch.device, dtype: torch.dtype) -> str:
     name = os.environ.get("FOLIO_LINEAR_BACKEND", "").strip().lower()
     if name and name not in BACKENDS:
         raise ValueError(f"FOLIO_LINEAR_BACKEND must be one of {BACKENDS}, got {name!r}")

@@ -18,11 +18,11 @@ Every op here works on whole batches: no Python loop over decode sequences.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from folio.kernels.attention_plan import AttentionPlan, kv_bytes_per_token, plan_attention
 from folio.kernels.errors import KernelInputError
 
 
@@ -59,13 +59,6 @@ def _token_rows(cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor,
     return rows, slots + (slots // block_size) * (step - block_size)
 
 
-# Gather at most this many bytes of K+V per chunk of decode sequences: small enough to
-# stay in the CPU's cache between the gather and the attention that reads it. Sequences
-# are chunked in order of context length, so a chunk pads only to its own longest
-# context. Measured on a 2-core EPYC, batch 64 x ~300 tokens (4 kv heads x 64), per layer:
-# one strided bmm per kv head 17 ms; fused SDPA per ~4 MiB chunk 4-5 ms; SDPA unchunked 18 ms.
-_DECODE_CHUNK_BYTES = 4 << 20
-
 # Gathers go into scratch buffers that live as long as the thread, one pair per dtype and
 # device: a fresh multi-MiB tensor per gather comes from mmap and page-faults on first
 # touch. Measured per layer (batch 64 x ~190 tokens): 1.6 ms with the reused buffers,
@@ -87,85 +80,6 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, which: int) -> torch.Tens
         with torch.inference_mode(False):  # a normal tensor: writable in and out of inference mode
             buf = bufs[key] = torch.empty(numel, dtype=cache.dtype, device=cache.device)
     return torch.index_select(cache, 0, blocks, out=buf[:numel].view(blocks.shape[0], *cache.shape[1:]))
-
-
-@dataclass
-class DecodeChunk:
-    rows: torch.Tensor  # [n] int64: rows of q (one new token per sequence)
-    blocks: torch.Tensor  # [n * num_blocks] int64: each sequence's first num_blocks blocks
-    num_blocks: int  # blocks gathered per sequence (of the chunk's longest context)
-    mask: torch.Tensor  # [n, 1, 1, num_blocks * block_size] bool: True inside the context
-
-
-@dataclass
-class PrefillSeq:
-    start: int  # rows [start, end) of q
-    end: int
-    blocks: torch.Tensor  # [num_blocks] int64
-    ctx: int  # context length including the new tokens
-    mask: torch.Tensor | None  # [end - start, ctx] bool: causal, offset by the cached context;
-    #                            None when nothing is cached (plain causal: the kernel skips blocks)
-
-
-@dataclass
-class AttentionPlan:
-    """What paged_attention derives from the batch layout alone; the same for every layer,
-    so the model runner builds it once per step."""
-
-    decode: list[DecodeChunk]
-    prefill: list[PrefillSeq]
-    max_query_len: int | None = None  # longest new-token count of the batch
-
-
-def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                   block_size: int, kv_bytes_per_token: int) -> AttentionPlan:
-    """kv_bytes_per_token: K + V bytes of one token in one layer (2 * kv_heads * head_dim * itemsize)."""
-    qsl = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    tables = block_tables.to(torch.long)
-    decode_idx = [s for s in range(len(lens)) if qsl[s + 1] - qsl[s] == 1]
-    chunks = []
-    for members, nb in _decode_chunks([lens[s] for s in decode_idx], block_size, kv_bytes_per_token):
-        seqs = [decode_idx[m] for m in members]
-        ctx = torch.tensor([lens[s] for s in seqs])
-        chunks.append(DecodeChunk(
-            rows=torch.tensor([qsl[s] for s in seqs], dtype=torch.long),
-            blocks=tables[seqs, :nb].reshape(-1),
-            num_blocks=nb,
-            mask=(torch.arange(nb * block_size)[None, :] < ctx[:, None])[:, None, None, :],
-        ))
-    prefill = []
-    for s in range(len(lens)):
-        q_len = qsl[s + 1] - qsl[s]
-        if q_len > 1:
-            ctx = lens[s]
-            mask = None
-            if q_len < ctx:
-                q_pos = torch.arange(ctx - q_len, ctx)
-                mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
-            prefill.append(PrefillSeq(qsl[s], qsl[s + 1], tables[s, : (ctx + block_size - 1) // block_size], ctx,
-                                      mask))
-    return AttentionPlan(chunks, prefill, max(b - a for a, b in zip(qsl, qsl[1:])) if lens else 0)
-
-
-def _decode_chunks(ctx_lens: list[int], block_size: int, bytes_per_token: int) -> list[tuple[list[int], int]]:
-    """Group positions of `ctx_lens` (sorted by length) into (members, padded blocks) chunks."""
-    order = sorted(range(len(ctx_lens)), key=ctx_lens.__getitem__)
-    chunks: list[tuple[list[int], int]] = []
-    members: list[int] = []
-    for i in order:
-        nb = (ctx_lens[i] + block_size - 1) // block_size
-        if members and (len(members) + 1) * nb * block_size * bytes_per_token > _DECODE_CHUNK_BYTES:
-            chunks.append((members, (ctx_lens[members[-1]] + block_size - 1) // block_size))
-            members = []
-        members.append(i)
-    if members:
-        chunks.append((members, (ctx_lens[members[-1]] + block_size - 1) // block_size))
-    return chunks
-
-
-def kv_bytes_per_token(k_cache: torch.Tensor) -> int:
-    return 2 * k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()
 
 
 def paged_attention(

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from folio.deploy.tiny_model import TinySpec, make_tiny_model
+from folio.deploy.commands.make_tiny_model import TinySpec, make_tiny_model
 
 SPECS = {
     # Llama with plain multi-head attention (kv heads = heads) and llama3 RoPE scaling

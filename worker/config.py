@@ -1,8 +1,14 @@
-"""Engine configuration: one dataclass whose __post_init__ checks and derives fields."""
+"""Engine configuration: one dataclass whose __post_init__ checks and derives fields.
+
+EngineConfig is the one definition of the engine's options: each field carries its help
+text (and its choices, from the tuples below) in `metadata`, from which `folio serve` and
+`folio generate` build their `--flag-name` options (deploy/engine_flags.py). This module
+stays pure: no torch (imported only for `torch_dtype`), no argparse.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 from folio.worker.errors import ConfigError
@@ -12,44 +18,63 @@ if TYPE_CHECKING:
 
 KV_CACHE_LAYOUTS = ("block_major", "layer_major")
 DTYPES = ("float32", "float16", "bfloat16")  # torch's names (torch is imported only for torch_dtype)
+PREEMPTION_MODES = ("auto", "recompute", "swap")  # see worker/preemption.py
+KV_MANAGERS = ("paged", "contiguous")
+# a server's engines (the cluster's workers, `folio serve`): on the worker's GPU if it has one
+# ("auto": cluster/launcher.py's make_engine picks), the linear kernels' state built at load
+SERVER_DEFAULTS = {"device": "auto", "warm_up": True}
+
+
+def _opt(default, help: str, choices: tuple | None = None):
+    """A field with its CLI help (and choices): the metadata deploy/engine_flags.py reads."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+def check_choice(name: str, value, choices: tuple) -> None:
+    """The one check (and message) for a field with choices: here and in the CLI's parsing."""
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {list(choices)}, got {value!r}")
 
 
 @dataclass
 class EngineConfig:
-    model: str  # local Hugging Face checkpoint directory
-    block_size: int = 16  # tokens per KV block
-    num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 1.0  # KV budget when num_kv_blocks is None
-    max_num_seqs: int = 256  # sequences running at once
-    max_num_batched_tokens: int | None = None  # token budget per step (None: max(2048, max_model_len))
-    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
-    dtype: str = "float32"
-    device: str = "cpu"
-    kv_manager: str = "paged"  # "paged" | "contiguous"
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    preemption_mode: str = "auto"  # "auto" | "recompute" | "swap" (see worker/preemption.py)
-    swap_space_gb: float = 4.0  # CPU memory for swapped-out KV (pinned on CUDA), at most the device cache's size
-    num_cpu_blocks: int | None = None  # overrides swap_space_gb, in blocks
-    kv_cache_layout: str = "block_major"  # "block_major" | "layer_major" (see worker/model_runner.py)
-    watermark: float = 0.01  # fraction of blocks kept free when admitting (anti-thrash)
-    seed: int = 0  # seed for requests that carry none
-    tokenizer: str | None = None  # defaults to `model`
-    # build the linear kernels' per-shape state for every batch size at load (kernels/linear.py):
-    # a server's memory stays flat under any batch mix; off by default (costs seconds at load)
-    warm_up: bool = False
+    model: str = field(metadata={"help": "a local Hugging Face checkpoint directory or a GGUF file"})
+    block_size: int = _opt(16, "tokens per KV block")
+    num_kv_blocks: int | None = _opt(None, "KV blocks on the device (default: derived from --kv-cache-memory-gb)")
+    kv_cache_memory_gb: float = _opt(1.0, "the device's KV cache budget when --num-kv-blocks is not given")
+    max_num_seqs: int = _opt(256, "sequences running at once")
+    max_num_batched_tokens: int | None = _opt(None, "the token budget of one step (default: max(2048, "
+                                                    "the max model length))")
+    max_model_len: int | None = _opt(None, "the longest prompt + output (default: the checkpoint's "
+                                           "max_position_embeddings)")
+    dtype: str = _opt("float32", "weights' and activations' dtype", DTYPES)
+    device: str = _opt("cpu", "the torch device the engine runs on ('auto' in `folio serve`: a worker's GPU "
+                              "if it has one)")
+    kv_manager: str = _opt("paged", "paged: PagedAttention blocks; contiguous: one max-length slab per "
+                                    "sequence (the baseline)", KV_MANAGERS)
+    enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of a prompt prefix seen before")
+    enable_chunked_prefill: bool = _opt(True, "split long prefills across steps, beside the decodes")
+    preemption_mode: str = _opt("auto", "what a preempted sequence's KV does: auto, recompute (dropped) or "
+                                        "swap (to CPU memory); see worker/preemption.py", PREEMPTION_MODES)
+    swap_space_gb: float = _opt(4.0, "CPU memory for swapped-out KV (pinned on CUDA), at most the device "
+                                     "cache's size")
+    num_cpu_blocks: int | None = _opt(None, "the swap space in blocks (overrides --swap-space-gb)")
+    kv_cache_layout: str = _opt("block_major", "block_major: a block's KV for all layers contiguous (fast "
+                                               "swaps); layer_major: a layer's blocks contiguous (faster CPU "
+                                               "attention gathers); see worker/model_runner.py",
+                                KV_CACHE_LAYOUTS)
+    watermark: float = _opt(0.01, "fraction of blocks kept free when admitting (anti-thrash)")
+    seed: int = _opt(0, "the sampling seed of requests that carry none")
+    tokenizer: str | None = _opt(None, "the tokenizer's directory (default: the model's own)")
+    warm_up: bool = _opt(False, "build the linear kernels' per-shape state for every batch size at load "
+                                "(kernels/linear.py): a server's memory stays flat under any batch mix; costs seconds")
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        for f in fields(self):
+            if f.metadata.get("choices"):
+                check_choice(f.name, getattr(self, f.name), f.metadata["choices"])
         if self.block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
-        if self.kv_manager not in ("paged", "contiguous"):
-            raise ConfigError(f"kv_manager must be 'paged' or 'contiguous', got {self.kv_manager!r}")
-        if self.preemption_mode not in ("auto", "recompute", "swap"):
-            raise ConfigError(f"preemption_mode must be auto|recompute|swap, got {self.preemption_mode!r}")
-        if self.kv_cache_layout not in KV_CACHE_LAYOUTS:
-            raise ConfigError(f"kv_cache_layout must be one of {KV_CACHE_LAYOUTS}, got {self.kv_cache_layout!r}")
         if self.swap_space_gb < 0 or (self.num_cpu_blocks is not None and self.num_cpu_blocks < 0):
             raise ConfigError("the swap space cannot be negative")
         if self.max_num_seqs < 1:

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from folio.deploy import bench_report as report
-from folio.deploy.bench_client import LoadShape, Record
-from folio.deploy.bench_workloads import build, parse_dist
+from folio.deploy.bench import report
+from folio.deploy.bench.client import LoadShape, Record
+from folio.deploy.bench.workloads import build, parse_dist
 
 from conftest import FOLIO_SERVER_KEY, FOLIO_SERVER_LIMIT
 

@@ -102,13 +102,13 @@ def test_every_rendered_object_validates(chart, crd_schemas, case):
 
 
 def test_serve_arguments_parse_with_the_cli_and_match_the_ports(chart):
-    from folio.deploy.k8s_app import parse_argv
+    from folio.deploy.rayservice import parse_argv
 
     for case, values in OVERRIDES.items():
         docs = render(chart, values)
         rs, cfg = serve_config(docs)
         app = cfg["applications"][0]
-        assert app["import_path"] == "folio.deploy.k8s_app:build"
+        assert app["import_path"] == "folio.deploy.rayservice:build"
         args = parse_argv(app["args"]["argv"])  # exits (SystemExit) on anything `folio serve` rejects
         merged = chart.merge_values(values)
         assert args.num_workers == merged["workers"]["replicas"] * merged["workers"]["gpusPerPod"], case
@@ -234,7 +234,8 @@ def test_build_context_excludes_tests_venvs_and_results():
     for path in ("tests/engine/test_engine.py", ".venv/bin/python", ".venv-vllm/bin/python", "benchmarks/results/x.json",
                  "models/tiny/config.json", ".git/HEAD", "worker/__pycache__/engine.cpython-311.pyc"):
         assert ignored(path), path
-    for path in ("worker/engine.py", "deploy/serve.py", "deploy/proto/folio/v1/generate.proto", "pyproject.toml",
+    for path in ("worker/engine.py", "deploy/commands/serve.py", "deploy/proto/folio/v1/generate.proto",
+                 "pyproject.toml",
                  "setup.py", "README.md", "folio_pkg/__init__.py"):
         assert not ignored(path), path
 

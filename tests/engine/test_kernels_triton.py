@@ -98,7 +98,7 @@ def test_engine_on_triton_backend_matches_torch_backend(model_dirs, monkeypatch)
     want = [o.token_ids for o in LLM(model_dirs["qwen2"], block_size=8, num_kv_blocks=64).generate(prompts, params)]
     monkeypatch.setenv("FOLIO_ATTENTION_BACKEND", "triton")
     llm = LLM(model_dirs["qwen2"], block_size=8, num_kv_blocks=64, max_num_batched_tokens=12)
-    assert llm.engine.model.ops.name == "triton"
+    assert llm.engine.runner.model.ops.name == "triton"
     got = [o.token_ids for o in llm.generate(prompts, params)]
     assert got == want
 

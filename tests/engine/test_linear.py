@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from folio.kernels.linear import Linear, backend_name
+from folio.kernels.linear import Linear, linear_backend
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -49,18 +49,18 @@ def test_non_contiguous_input():
 def test_backend_choice(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.delenv("FOLIO_LINEAR_BACKEND", raising=False)
-    assert backend_name(cpu, torch.float32) == "onednn"
-    assert backend_name(cpu, torch.bfloat16) == ("onednn" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "torch")
-    assert backend_name(cpu, torch.float16) == "torch"
-    assert backend_name(torch.device("cuda"), torch.float32) == "torch"
+    assert linear_backend(cpu, torch.float32) == "onednn"
+    assert linear_backend(cpu, torch.bfloat16) == ("onednn" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "torch")
+    assert linear_backend(cpu, torch.float16) == "torch"
+    assert linear_backend(torch.device("cuda"), torch.float32) == "torch"
     monkeypatch.setenv("FOLIO_LINEAR_BACKEND", "torch")
-    assert backend_name(cpu, torch.float32) == "torch"
+    assert linear_backend(cpu, torch.float32) == "torch"
     monkeypatch.setenv("FOLIO_LINEAR_BACKEND", "onednn")
     with pytest.raises(ValueError, match="float32"):
-        backend_name(cpu, torch.float16)
+        linear_backend(cpu, torch.float16)
     monkeypatch.setenv("FOLIO_LINEAR_BACKEND", "mkl")
     with pytest.raises(ValueError, match="FOLIO_LINEAR_BACKEND"):
-        backend_name(cpu, torch.float32)
+        linear_backend(cpu, torch.float32)
 
 
 def test_engine_uses_onednn_on_cpu(model_dirs, monkeypatch):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from folio.worker.errors import ModelLoadError
-from folio.worker.models.config import ModelConfig
+from folio.worker.models.model_config import ModelConfig
 from folio.worker.models.rope import inv_freq_and_scaling
 
 VARIANTS = {

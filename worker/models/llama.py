@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from folio import kernels
 from folio.kernels.linear import Linear
-from folio.worker.models.config import ModelConfig
+from folio.worker.models.model_config import ModelConfig
 from folio.worker.models.rope import RotaryEmbedding
 
 

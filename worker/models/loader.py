@@ -12,10 +12,10 @@ import torch
 from safetensors import safe_open
 
 from folio.kernels import get_ops
-from folio.kernels.linear import Linear, backend_name
+from folio.kernels.linear import Linear, linear_backend
 from folio.worker.errors import ModelLoadError
 from folio.worker.models import gguf_loader
-from folio.worker.models.config import ModelConfig, unreadable
+from folio.worker.models.model_config import ModelConfig, unreadable
 from folio.worker.models.llama import LayerWeights, LlamaModel
 
 
@@ -79,7 +79,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int
     def cat(*ts: torch.Tensor | None) -> torch.Tensor | None:
         return None if ts[0] is None else torch.cat(ts, dim=0).contiguous()
 
-    backend = backend_name(device, dtype)
+    backend = linear_backend(device, dtype)
 
     def linear(w: torch.Tensor, b: torch.Tensor | None) -> Linear:
         return Linear(w, b, backend)

@@ -1,5 +1,6 @@
-"""Make a tiny Llama-family checkpoint locally: random weights (fixed seed) and a BPE
-tokenizer trained here, saved with `save_pretrained` so `transformers` loads it with no hub.
+"""`folio make-tiny-model DIR`: a tiny Llama-family checkpoint made locally: random weights
+(fixed seed) and a BPE tokenizer trained here, saved with `save_pretrained` so `transformers`
+loads it with no hub. The tests and benchmarks make theirs with `make_tiny_model(dir, TinySpec(...))`.
 """
 
 from __future__ import annotations
@@ -113,3 +114,29 @@ def make_tiny_model(out_dir: str, spec: TinySpec) -> str:
     GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                      pad_token_id=tokenizer.pad_token_id).save_pretrained(out_dir)
     return out_dir
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("make-tiny-model", help="write a tiny random Llama-family checkpoint + tokenizer")
+    p.add_argument("dir")
+    p.add_argument("--arch", choices=["llama", "mistral", "qwen2"], default="llama")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--num-heads", type=int, default=4)
+    p.add_argument("--num-kv-heads", type=int, default=2)
+    p.add_argument("--intermediate-size", type=int, default=128)
+    p.add_argument("--vocab-size", type=int, default=1024)
+    p.add_argument("--max-position-embeddings", type=int, default=2048)
+    p.add_argument("--init-std", type=float, default=0.08)
+
+
+def main(args) -> int:
+    spec = TinySpec(arch=args.arch, hidden_size=args.hidden_size, num_layers=args.num_layers,
+                    num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
+                    intermediate_size=args.intermediate_size, vocab_size=args.vocab_size,
+                    max_position_embeddings=args.max_position_embeddings, seed=args.seed,
+                    init_std=args.init_std)
+    make_tiny_model(args.dir, spec)
+    print(f"wrote a tiny {args.arch} checkpoint to {args.dir}")
+    return 0

@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from folio.deploy import openai_http as oai
 from folio.deploy import openai_tokens
 from folio.deploy.frontend import Frontend, FrontendConfig
+from folio.deploy.openai_errors import http_error
 from folio.deploy.serve_binds import narrow_replica_grpc_bind
 
 narrow_replica_grpc_bind()  # Serve's inter-deployment gRPC port: loopback when the node is (serve_binds.py)
@@ -42,7 +43,7 @@ api = FastAPI(title="Folio", description="OpenAI-compatible API of a Folio clust
 
 
 def _error_response(e: Exception) -> JSONResponse:
-    err = oai.http_error(e)
+    err = http_error(e)
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 

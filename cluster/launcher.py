@@ -38,9 +38,9 @@ from folio.cluster.router import Router  # noqa: E402
 from folio.cluster.state import ClusterState, WorkerPublisher  # noqa: E402
 from folio.cluster.worker_client import RayWorkerClient, actor_name  # noqa: E402
 from folio.worker.actor import EngineWorker  # noqa: E402
-from folio.worker.config import EngineConfig  # noqa: E402
+from folio.worker.config import SERVER_DEFAULTS, EngineConfig  # noqa: E402
 from folio.worker.errors import ConfigError, UnavailableError  # noqa: E402
-from folio.worker.models.config import ModelConfig  # noqa: E402
+from folio.worker.models.model_config import ModelConfig  # noqa: E402
 
 
 WORKER_EXIT_GRACE_S = 0.5  # a worker whose engine failed exits this long after failing its requests
@@ -55,7 +55,7 @@ class ClusterConfig:
     address: str | None = None  # join this Ray cluster instead of starting one
     host: str = "127.0.0.1"  # what a Ray started here binds to (bind_ray_to); the embedded Redis is loopback
     namespace: str = "folio"  # Redis key prefix and actor-name prefix
-    engine: dict = field(default_factory=dict)  # EngineConfig fields for every worker
+    engine_args: dict = field(default_factory=dict)  # EngineConfig fields for every worker
     worker_num_cpus: float = 0.5  # fractional: several workers share this machine's cores
     torch_threads: int | None = None  # per worker (None: cores / workers)
     heartbeat_s: float = 0.1
@@ -69,7 +69,7 @@ class ClusterConfig:
             raise ConfigError("num_workers must be >= 1")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ConfigError(f"torch_threads must be >= 1, got {self.torch_threads}")
-        EngineConfig(model=self.model, **self.engine)  # checks the engine fields up front
+        EngineConfig(model=self.model, **self.engine_args)  # checks the engine fields up front
         ModelConfig.from_dir(self.model)  # and that the checkpoint is there (ModelLoadError)
 
 
@@ -148,7 +148,7 @@ class FolioCluster:
             self.redis_url = self.redis.url
         self.state = ClusterState(self.redis_url, cfg.namespace)
         threads = cfg.torch_threads or max((os.cpu_count() or 1) // cfg.num_workers, 1)
-        engine_fields = {"device": "auto", "warm_up": True, **cfg.engine}  # a server: memory flat under load
+        engine_fields = {**SERVER_DEFAULTS, **cfg.engine_args}  # a server: memory flat under load
         Worker = ray.remote(EngineWorker)
         for i in range(cfg.num_workers):
             self.start_worker(f"w{i}", Worker, engine_fields, threads)

@@ -16,28 +16,17 @@ import threading
 import time
 
 from folio.cluster.policies import POLICIES
+from folio.deploy.engine_flags import add_engine_flags, engine_kwargs
+from folio.worker.config import SERVER_DEFAULTS, EngineConfig
 
 
-def add_serve_parser(sub) -> argparse.ArgumentParser:
+def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run a Folio cluster: Ray workers, router, coordinator, Redis state")
-    p.add_argument("--model", required=True, help="a local Hugging Face checkpoint directory or a GGUF file")
-    p.add_argument("--tokenizer", default=None, help="the tokenizer's directory (default: the model's own)")
     p.add_argument("--num-workers", type=int, default=1, help="workers, one per GPU")
     p.add_argument("--redis-url", default=None, help="external Redis (default: an embedded server)")
     p.add_argument("--router", choices=POLICIES, default="prefix-aware")
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
     p.add_argument("--namespace", default="folio", help="Redis key prefix and Ray namespace")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--preemption-mode", choices=["auto", "swap", "recompute"], default="auto")
-    p.add_argument("--swap-space-gb", type=float, default=4.0)
-    p.add_argument("--kv-cache-layout", choices=["block_major", "layer_major"], default="block_major",
-                   help="block_major: a block's KV for all layers contiguous (fast swaps); layer_major: "
-                        "a layer's blocks contiguous (faster CPU attention gathers)")
     p.add_argument("--worker-num-cpus", type=float, default=0.5)
     p.add_argument("--torch-threads", type=int, default=None,
                    help="CPU threads per worker's forward (default: the cores / --num-workers)")
@@ -59,29 +48,29 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="the model's name in the API (default: the checkpoint's); more names are aliases")
     p.add_argument("--max-body-bytes", type=int, default=8 * 2**20,
                    help="the largest HTTP request body accepted; a larger one gets 413")
+    add_engine_flags(p, defaults=SERVER_DEFAULTS)  # the engines run on the workers
     return p
 
 
 def cluster_config(args):
-    from folio.cluster.app import ClusterConfig
+    """The cluster's configuration from `folio serve`'s arguments; the engine's from its flags."""
+    from folio.cluster.launcher import ClusterConfig
 
-    engine = dict(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                  kv_cache_memory_gb=args.kv_cache_memory_gb, max_model_len=args.max_model_len,
-                  max_num_seqs=args.max_num_seqs, dtype=args.dtype, preemption_mode=args.preemption_mode,
-                  swap_space_gb=args.swap_space_gb, kv_cache_layout=args.kv_cache_layout)
-    if args.tokenizer is not None:  # absolute: the workers and the frontends run in other processes
+    engine_args = engine_kwargs(args)
+    if engine_args.pop("tokenizer") is not None:  # absolute: the workers and the frontends run in other processes
         if not os.path.exists(args.tokenizer):
             from folio.worker.errors import ModelLoadError
 
             raise ModelLoadError(f"the tokenizer path {args.tokenizer!r} does not exist")
-        engine["tokenizer"] = os.path.abspath(args.tokenizer)
+        engine_args["tokenizer"] = os.path.abspath(args.tokenizer)
     return ClusterConfig(model=args.model, num_workers=args.num_workers, redis_url=args.redis_url,
                          router=args.router, address=args.address, host=args.host, namespace=args.namespace,
-                         engine=engine, worker_num_cpus=args.worker_num_cpus, torch_threads=args.torch_threads)
+                         engine_args=engine_args, worker_num_cpus=args.worker_num_cpus,
+                         torch_threads=args.torch_threads)
 
 
-def serve(args) -> int:
-    from folio.cluster.app import FolioCluster
+def main(args) -> int:
+    from folio.cluster.launcher import FolioCluster
     from folio.worker.errors import FolioError
 
     try:
@@ -142,16 +131,15 @@ def redis_description(cluster) -> str:
 def frontend_config(args, cluster):
     """The frontends' configuration from `folio serve`'s arguments and the started cluster."""
     from folio.deploy.frontend import FrontendConfig
-    from folio.worker.config import EngineConfig
-    from folio.worker.models.config import ModelConfig
+    from folio.worker.models.model_config import ModelConfig
     from folio.worker.sizing import max_model_len
 
     cfg = cluster.config
-    engine = EngineConfig(model=cfg.model, **cfg.engine)
-    return FrontendConfig(model=os.path.abspath(cfg.model), tokenizer=cfg.engine.get("tokenizer"),
+    engine_config = EngineConfig(model=cfg.model, **cfg.engine_args)
+    return FrontendConfig(model=os.path.abspath(cfg.model), tokenizer=cfg.engine_args.get("tokenizer"),
                           redis_url=cluster.redis_url, namespace=cfg.namespace, router=cfg.router,
-                          max_model_len=max_model_len(engine, ModelConfig.from_dir(cfg.model)),
-                          block_size=engine.block_size, num_workers=cfg.num_workers,
+                          max_model_len=max_model_len(engine_config, ModelConfig.from_dir(cfg.model)),
+                          block_size=engine_config.block_size, num_workers=cfg.num_workers,
                           max_num_requests=args.max_num_requests, api_key=args.api_key,
                           served_model_name=args.served_model_name, grpc_port=args.grpc_port or None,
                           http_port=args.http_port or None,
@@ -165,9 +153,9 @@ def start_frontends(args, cluster) -> str:
         return ""
     from ray import serve as ray_serve
 
-    from folio.deploy.serve_app import build_app
+    from folio.deploy.serve_deployment import build_app
 
-    # the replicas serve HTTP themselves (http_server.py); Serve's proxy only on request
+    # the replicas serve HTTP themselves (deploy/http_server.py); Serve's proxy only on request
     if args.serve_proxy_port:
         ray_serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.serve_proxy_port})
     else:
@@ -179,34 +167,3 @@ def start_frontends(args, cluster) -> str:
     if args.grpc_port:
         parts.append(f"grpc://{args.host}:{args.grpc_port}")
     return ", serving " + " and ".join(parts)
-
-
-def add_drain_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("drain", help="stop a running cluster's workers admitting; wait for in-flight requests "
-                                     "(a Kubernetes preStop hook)")
-    p.add_argument("--address", default="auto", help="the Ray cluster")
-    p.add_argument("--namespace", default="folio")
-    p.add_argument("--redis-url", required=True)
-    p.add_argument("--grace-period-s", type=float, default=30.0)
-    return p
-
-
-def drain_main(args) -> int:
-    """Every live worker stops admitting, gets `--grace-period-s` for its in-flight requests,
-    then aborts the rest. Prints how many were aborted per worker."""
-    import ray
-
-    from folio.cluster.state import ClusterState
-    from folio.cluster.worker_client import actor_name
-
-    ray.init(address=args.address, namespace=args.namespace, log_to_driver=False)
-    try:
-        ids = sorted(ClusterState(args.redis_url, args.namespace).live_loads())
-        handles = {w: ray.get_actor(actor_name(args.namespace, w), namespace=args.namespace) for w in ids}
-        aborted = ray.get([h.drain.remote(args.grace_period_s) for h in handles.values()],
-                          timeout=args.grace_period_s + 30)
-        for w, n in zip(handles, aborted):
-            print(f"folio drain: {w} drained, {n} requests aborted", flush=True)
-    finally:
-        ray.shutdown()
-    return 0

@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from folio.deploy.bench_workloads import Workload
+from folio.deploy.bench.workloads import Workload
 
 
 @dataclass

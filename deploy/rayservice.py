@@ -1,9 +1,9 @@
 """Folio's Serve application for KubeRay's RayService (helm/folio): the import path
-`folio.deploy.k8s_app:build` in `serveConfigV2`, with `folio serve`'s own arguments.
+`folio.deploy.rayservice:build` in `serveConfigV2`, with `folio serve`'s own arguments.
 
     applications:
       - name: folio
-        import_path: folio.deploy.k8s_app:build
+        import_path: folio.deploy.rayservice:build
         args: {argv: ["--model", "/models/model", "--num-workers", "4", "--address", "auto", ...],
                frontend_replicas: 1}
 
@@ -24,9 +24,9 @@ def parse_argv(argv: list[str]):
 
 
 def build(args: dict):
-    from folio.cluster.app import FolioCluster
-    from folio.deploy.serve import cluster_config, frontend_config
-    from folio.deploy.serve_app import FolioFrontend
+    from folio.cluster.launcher import FolioCluster
+    from folio.deploy.commands.serve import cluster_config, frontend_config
+    from folio.deploy.serve_deployment import FolioFrontend
 
     ns = parse_argv(list(args["argv"]))
     if not ns.redis_url:

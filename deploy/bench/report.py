@@ -18,7 +18,7 @@ from collections import Counter
 
 import numpy as np
 
-from folio.deploy.bench_client import Record
+from folio.deploy.bench.client import Record
 
 STATS = ("mean", "median", "p90", "p99")
 FOLIO_COUNTERS = ("folio_preemptions_total", "folio_swapped_out_blocks_total", "folio_swapped_in_blocks_total",

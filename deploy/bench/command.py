@@ -5,8 +5,8 @@
         [--sweep 1,2,4,8] [--slo ttft=0.5,tpot=0.05] [--out result.json] [--plots DIR]
     folio bench compare A.json B.json
 
-Workloads: deploy/bench_workloads.py; the client loop: deploy/bench_client.py; the
-report: deploy/bench_report.py.
+Workloads: deploy/bench/workloads.py; the client loop: deploy/bench/client.py; the
+report: deploy/bench/report.py.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import os
 import sys
 import time
 
-from folio.deploy import bench_report as report
-from folio.deploy.bench_client import LoadShape, make_target, run_load
-from folio.deploy.bench_workloads import WORKLOADS, build, parse_id_range
+from folio.deploy.bench import report
+from folio.deploy.bench.client import LoadShape, make_target, run_load
+from folio.deploy.bench.workloads import WORKLOADS, build, parse_id_range
 
 
-def add_bench_parser(sub) -> argparse.ArgumentParser:
+def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="load-test a server (or: folio bench compare A.json B.json)")
     p.add_argument("--target", required=True, help="http://host:port (OpenAI API) or grpc://host:port (Folio)")
     p.add_argument("--model", default=None, help="model name for the OpenAI API (default: the first listed)")
@@ -99,7 +99,7 @@ async def _run(args) -> dict:
             "command": " ".join(["folio"] + sys.argv[1:]), "runs": runs}
 
 
-def bench_main(args) -> int:
+def main(args) -> int:
     try:
         doc = asyncio.run(_run(args))
     except ValueError as e:
