@@ -162,7 +162,7 @@ def wait_idle(state, workers: int, timeout_s: float, settle_s: float = 0.5) -> t
 
 
 def generated(loads: dict) -> int:
-    return int(sum(l.counters.get("generation_tokens", 0) for l in loads.values()))
+    return int(sum(l.counters.generation_tokens for l in loads.values()))
 
 
 def load_view(loads: dict) -> dict:

@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from folio.cluster.app import ClusterConfig, FolioCluster  # noqa: E402
+from folio.cluster.launcher import ClusterConfig, FolioCluster  # noqa: E402
 from folio.worker import LLM, SamplingParams  # noqa: E402
 from folio.worker.messages import GenerateRequest  # noqa: E402
 
@@ -51,12 +51,13 @@ def main() -> None:
             for _ in range(args.requests)]
     engine = dict(block_size=16, num_kv_blocks=args.kv_blocks, max_model_len=512, preemption_mode="swap",
                   num_cpu_blocks=4 * args.kv_blocks)
-    cluster = FolioCluster(ClusterConfig(model=args.model, num_workers=args.workers, engine=engine,
+    cluster = FolioCluster(ClusterConfig(model=args.model, num_workers=args.workers, engine_args=engine,
                                          router=args.router, namespace="local")).start()
     try:
         async def one(i, prompt, n):
-            req = GenerateRequest(f"q{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
-                                                                  detokenize=False))
+            req = GenerateRequest(request_id=f"q{i}", prompt_token_ids=prompt,
+                                  params=SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                                                        detokenize=False))
             t0 = time.perf_counter()
             first, tokens, workers = None, [], set()
             async for chunk in cluster.router.generate(req, worker_id="w0" if i % 2 == 0 else None):

@@ -30,7 +30,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from folio.cluster.policies import POLICIES  # noqa: E402
-from folio.cluster.sim_cluster import SimCluster  # noqa: E402
+from folio.cluster.sim.cluster import SimCluster  # noqa: E402
 from folio.worker import SamplingParams  # noqa: E402
 from folio.worker.messages import GenerateRequest  # noqa: E402
 
@@ -63,7 +63,8 @@ async def run_policy(policy, args):
             nonlocal failed
             t0 = time.perf_counter()
             first = None
-            req = GenerateRequest(f"{policy}-{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            req = GenerateRequest(request_id=f"{policy}-{i}", prompt_token_ids=prompt,
+                                  params=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
             try:
                 async for chunk in router.generate(req):
                     if first is None and any(d.token_ids for d in chunk.deltas):
@@ -106,7 +107,8 @@ async def run_policy(policy, args):
         t0 = time.perf_counter()
         probes = make_workload(2000, seed=7)
         for i, (prompt, m) in enumerate(probes):
-            await router.pick(GenerateRequest(f"probe{i}", prompt, SamplingParams(max_tokens=m)))
+            await router.pick(GenerateRequest(request_id=f"probe{i}", prompt_token_ids=prompt,
+                                              params=SamplingParams(max_tokens=m)))
         max_rate = len(probes) / (time.perf_counter() - t0)
         for w in cluster.workers.values():
             await w.check_invariants()
@@ -134,7 +136,7 @@ async def run_policy(policy, args):
             "coordinator_moves": cluster.coordinator.stats()["moves"],
             "coordinator_failed_moves": cluster.coordinator.stats()["failed_moves"],
             "tokens_per_worker_min_max": [per_worker[0], per_worker[-1]],
-            "sim_lag_s_mean_per_worker": round(statistics.mean(e.lag_seconds for e in engines), 3),
+            "sim_lag_s_mean_per_worker": round(statistics.mean(e.runner.lag_seconds for e in engines), 3),
         }
     finally:
         await cluster.stop()

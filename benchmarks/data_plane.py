@@ -48,8 +48,10 @@ def requests(n: int, tokens: int):
     from folio.worker.sampling_params import SamplingParams
 
     rng = random.Random(1)
-    return [GenerateRequest(f"dp{i}-{time.time_ns()}", [rng.randrange(16, 8000) for _ in range(16)],
-                            SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)) for i in range(n)]
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    return [GenerateRequest(request_id=f"dp{i}-{time.time_ns()}",
+                            prompt_token_ids=[rng.randrange(16, 8000) for _ in range(16)], params=params)
+            for i in range(n)]
 
 
 async def measure(generate, timings, tokens: int) -> dict:
@@ -74,7 +76,7 @@ def engine_config(model: str):
 
 
 def run_inprocess(model: str, tokens: int) -> dict:
-    from folio.cluster.app import make_engine
+    from folio.cluster.launcher import make_engine
     from folio.worker.actor import EngineWorker
 
     w = EngineWorker("w0", functools.partial(make_engine, engine_config(model), os.cpu_count()), None)
@@ -106,7 +108,7 @@ def _ray_stream_generate(handle, subscriber: str):
 def run_ray(model: str, tokens: int, transport: str) -> dict:
     import ray
 
-    from folio.cluster.app import make_engine
+    from folio.cluster.launcher import make_engine
     from folio.cluster.worker_client import RayWorkerClient, actor_name
     from folio.worker.actor import EngineWorker
 

@@ -34,9 +34,9 @@ from folio.cluster.redis_server import EmbeddedRedis  # noqa: E402
 from folio.cluster.state import WorkerPublisher  # noqa: E402
 from folio.worker.actor import EngineWorker  # noqa: E402
 from folio.worker.messages import GenerateRequest  # noqa: E402
-from folio.worker.roofline import Roofline  # noqa: E402
+from folio.cluster.sim.roofline import Roofline  # noqa: E402
 from folio.worker.sampling_params import SamplingParams  # noqa: E402
-from folio.worker.sim_engine import SimulatedEngine  # noqa: E402
+from folio.cluster.sim.runner import simulated_engine  # noqa: E402
 
 
 def thread_cpu(t: threading.Thread) -> float:
@@ -85,7 +85,7 @@ def window(workers, url, seconds):
 
 async def main_async(args, url):
     rf = Roofline.named()
-    eng = functools.partial(SimulatedEngine, rf, block_size=16, num_kv_blocks=args.blocks, num_cpu_blocks=0,
+    eng = functools.partial(simulated_engine, rf, block_size=16, num_kv_blocks=args.blocks, num_cpu_blocks=0,
                             max_num_seqs=args.requests, max_num_batched_tokens=args.batched_tokens,
                             time_scale=args.time_scale, preemption_mode="recompute")
     pub = functools.partial(WorkerPublisher, url, "hb")
@@ -97,8 +97,8 @@ async def main_async(args, url):
 
     async def one(w, i):
         prompt = rng.choice(systems) + [rng.randrange(1, 128000) for _ in range(rng.randint(256, 768))]
-        req = GenerateRequest(f"{w.worker_id}-{i}", prompt, SamplingParams(max_tokens=args.max_tokens,
-                                                                           ignore_eos=True))
+        req = GenerateRequest(request_id=f"{w.worker_id}-{i}", prompt_token_ids=prompt,
+                              params=SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
         async for _ in w.generate(req):
             pass
     for w in workers:

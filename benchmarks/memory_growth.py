@@ -160,8 +160,8 @@ async def _drive_worker(w, n: int, start: int, concurrency: int, rng: random.Ran
     async def run(i):
         async with sem:
             kind, prompt, mt = request_mix(i, rng, vocab)
-            gen = w.generate(GenerateRequest(f"r{i}", prompt, SamplingParams(max_tokens=mt, temperature=0.0,
-                                                                             ignore_eos=True)))
+            gen = w.generate(GenerateRequest(request_id=f"r{i}", prompt_token_ids=prompt,
+                                             params=SamplingParams(max_tokens=mt, temperature=0.0, ignore_eos=True)))
             try:
                 async for chunk in gen:
                     if kind == "disconnect" and any(d.token_ids for d in chunk.deltas):

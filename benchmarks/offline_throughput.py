@@ -184,7 +184,7 @@ def main() -> int:
     budgets = [int(x) for x in args.kv_tokens.split(",")]
     if args.quick:
         budgets = budgets[1:2] or budgets
-    from folio.worker.models.config import ModelConfig
+    from folio.worker.models.model_config import ModelConfig
 
     mc = ModelConfig.from_dir(args.model)
     reqs = (make_workload(n, mc.vocab_size, args.max_model_len, args.seed, max_prompt=256, max_output=96)

@@ -28,7 +28,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 
 from folio.worker import LLM, SamplingParams  # noqa: E402
-from folio.worker.models.config import ModelConfig  # noqa: E402
+from folio.worker.models.model_config import ModelConfig  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

@@ -61,8 +61,8 @@ def requests(n):
     from folio.worker.messages import GenerateRequest
 
     rng = random.Random(0)
-    return [GenerateRequest(f"r{i}", [rng.randrange(16, 8000) for _ in range(PROMPT)],
-                            SamplingParams(max_tokens=OUTPUT, temperature=0.0, ignore_eos=True))
+    return [GenerateRequest(request_id=f"r{i}", prompt_token_ids=[rng.randrange(16, 8000) for _ in range(PROMPT)],
+                            params=SamplingParams(max_tokens=OUTPUT, temperature=0.0, ignore_eos=True))
             for i in range(n)]
 
 
@@ -124,7 +124,7 @@ def run_inprocess(model, threads=None) -> dict:
 def run_ray(model, threads=None) -> dict:
     import ray
 
-    from folio.cluster.app import make_engine
+    from folio.cluster.launcher import make_engine
     from folio.cluster.worker_client import RayWorkerClient, actor_name
     from folio.worker.actor import EngineWorker
 

@@ -96,7 +96,7 @@ def main() -> int:
         m = grammars._xgr.GrammarMatcher(grammars.compiled(GuidedSpec("json_schema", json.dumps(s))))
         m.accept_string('{"')
         matchers.append(m)
-    logits = torch.randn(len(matchers), llm.engine.model_config.vocab_size)
+    logits = torch.randn(len(matchers), llm.engine.vocab_size)
     fill, apply = [], []
     for _ in range(30):
         t = time.perf_counter()

@@ -136,7 +136,7 @@ def matmul_peak(dtype: str = "float32", n: int = 2048) -> float:
 
 def physical_limit(model, dtype: str = "float32") -> dict:
     """Peak matmul FLOP/s of `dtype` through torch here, and what Folio's decode step achieves."""
-    from folio.worker.models.config import ModelConfig
+    from folio.worker.models.model_config import ModelConfig
     sys.path.insert(0, HERE)
     from offline_throughput import profile_decode_step
 
@@ -194,7 +194,7 @@ def workload_ceiling(model: str, reqs, peak_flops: float) -> dict:
     """The least arithmetic any engine must do for this workload (prefill of every prompt,
     one lm_head row per output token, attention over each token's context), and the output
     tokens/s it would reach running every FLOP at the measured matmul peak."""
-    from folio.worker.models.config import ModelConfig
+    from folio.worker.models.model_config import ModelConfig
 
     body, head, attn = flop_terms(ModelConfig.from_dir(model))
     flops = 0

@@ -12,7 +12,7 @@ measures, from the kill:
 It is a latency of recovery, not a speed: fine on a busy machine (say so with the result).
 Results: benchmarks/results/worker_restart.json.
 
-failed_s depends on Ray's RAY_timeout_ms_task_wait_for_death_info, which folio.cluster.app sets
+failed_s depends on Ray's RAY_timeout_ms_task_wait_for_death_info, which folio.cluster.launcher sets
 to 0 unless it is set already (see there). Ray's default (1000) held the in-flight request for
 1.0-2.0 s; reproduce that with RAY_timeout_ms_task_wait_for_death_info=1000 python benchmarks/...
 --out benchmarks/results/worker_restart_ray_default.json.
@@ -33,7 +33,7 @@ import redis
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from folio.cluster.app import ClusterConfig, FolioCluster  # noqa: E402
+from folio.cluster.launcher import ClusterConfig, FolioCluster  # noqa: E402
 from folio.worker import LLM, SamplingParams  # noqa: E402
 from folio.worker.errors import UnavailableError  # noqa: E402
 from folio.worker.messages import GenerateRequest  # noqa: E402
@@ -46,8 +46,8 @@ async def one_round(cluster, r: int, probe, expected) -> dict:
 
     router, w1 = cluster.router, cluster.workers["w1"]
     pid = ray.get(w1.pid.remote())
-    long = GenerateRequest(f"long{r}", list(range(20, 60)), SamplingParams(max_tokens=400, temperature=0.0,
-                                                                           ignore_eos=True))
+    long = GenerateRequest(request_id=f"long{r}", prompt_token_ids=list(range(20, 60)),
+                           params=SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
     streaming = asyncio.Event()
     out: dict = {}
 
@@ -61,8 +61,9 @@ async def one_round(cluster, r: int, probe, expected) -> dict:
             out["error"] = str(e)
     t_kill = 0.0
     task = asyncio.create_task(victim())
-    background = [asyncio.create_task(_drain(router, GenerateRequest(f"bg{r}-{i}", list(range(30 + i, 50 + i)),
-                                                                     SamplingParams(max_tokens=64))))
+    background = [asyncio.create_task(_drain(router, GenerateRequest(request_id=f"bg{r}-{i}",
+                                                                     prompt_token_ids=list(range(30 + i, 50 + i)),
+                                                                     params=SamplingParams(max_tokens=64))))
                   for i in range(4)]
     await asyncio.wait_for(streaming.wait(), 120)
     os.kill(pid, signal.SIGKILL)
@@ -78,7 +79,8 @@ async def one_round(cluster, r: int, probe, expected) -> dict:
         await asyncio.sleep(0.02)
     out["registered_s"] = time.monotonic() - t_kill
     tokens = []
-    async for chunk in router.generate(GenerateRequest(f"pinned{r}", *probe), worker_id="w1"):
+    async for chunk in router.generate(GenerateRequest(request_id=f"pinned{r}", prompt_token_ids=probe[0],
+                                                       params=probe[1]), worker_id="w1"):
         tokens += chunk.deltas[0].token_ids
     out["serving_s"] = time.monotonic() - t_kill
     out["pinned_matches_offline"] = tokens == expected
@@ -101,7 +103,7 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     probe = (list(range(70, 90)), SamplingParams(max_tokens=16, temperature=0.0))
     expected = LLM(args.model, **ENGINE).generate([probe[0]], probe[1])[0].token_ids
-    cluster = FolioCluster(ClusterConfig(model=args.model, num_workers=2, engine=ENGINE, namespace="restart",
+    cluster = FolioCluster(ClusterConfig(model=args.model, num_workers=2, engine_args=ENGINE, namespace="restart",
                                          coordinator=False)).start()
     try:
         rounds = [asyncio.run(one_round(cluster, r, probe, expected)) for r in range(args.rounds)]

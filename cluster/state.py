@@ -27,7 +27,8 @@ import redis
 import redis.asyncio
 
 from folio.cluster.prefix_walk import PrefixWalker
-from folio.worker.messages import RequestSummary, WorkerLoad
+from folio.worker.messages import EngineCounters, QueueState, RequestSummary, WorkerLoad
+from folio.worker.stats import StepTimings
 
 DEFAULT_TTL_S = 1.5
 
@@ -79,7 +80,9 @@ def load_to_json(load: WorkerLoad) -> str:
 
 def load_from_json(raw: bytes | str) -> WorkerLoad:
     d = json.loads(raw)
-    d["requests"] = [RequestSummary(**r) for r in d.get("requests", [])]
+    d["requests"] = [RequestSummary(**{**r, "state": QueueState(r["state"])}) for r in d.get("requests", [])]
+    c = d.get("counters") or {}
+    d["counters"] = EngineCounters(**{**c, "timings": StepTimings(**c.get("timings", {}))})
     return WorkerLoad(**d)
 
 

@@ -95,7 +95,7 @@ class Admission:
 
 class Frontend:
     def __init__(self, cfg: FrontendConfig, router: Router | None = None) -> None:
-        from folio.worker.models.config import ModelConfig
+        from folio.worker.models.model_config import ModelConfig
 
         self.cfg = cfg
         self.vocab_size = ModelConfig.from_dir(cfg.model).vocab_size  # what the model embeds
@@ -179,7 +179,8 @@ class Frontend:
         last = None
         reason = None
         text = StreamText(self.tokenizer, prompt_ids, params)  # the worker sends token ids; text is made here
-        stream = self.router.generate(GenerateRequest(rid, prompt_ids, worker_params(params), priority))
+        stream = self.router.generate(GenerateRequest(request_id=rid, prompt_token_ids=prompt_ids,
+                                                      params=worker_params(params), priority=priority))
         try:
             async for chunk in stream:
                 on_worker = chunk.finished

@@ -64,7 +64,7 @@ class WorkerCollector:
             "folio_requests_waiting": ("Requests waiting on the worker", lambda l: l.num_waiting),
             "folio_requests_swapped": ("Requests swapped out to the worker's CPU memory", lambda l: l.num_swapped),
             "folio_kv_cache_usage_ratio": ("Device KV blocks in use / all", lambda l: l.kv_usage),
-            "folio_cpu_swap_usage_ratio": ("CPU swap blocks in use / all", lambda l: l.counters.get("cpu_usage", 0.0)),
+            "folio_cpu_swap_usage_ratio": ("CPU swap blocks in use / all", lambda l: l.cpu_usage),
         }
         for name, (doc, get) in gauges.items():
             g = GaugeMetricFamily(name, doc, labels=["model_name", "worker"])
@@ -74,18 +74,18 @@ class WorkerCollector:
         pre = CounterMetricFamily("folio_preemptions", "Preemptions by mode", labels=["model_name", "worker", "mode"])
         for w, l in loads.items():
             for mode in ("swap", "recompute"):
-                pre.add_metric([m, w, mode], float(l.counters.get(f"preemptions_{mode}", 0)))
+                pre.add_metric([m, w, mode], float(getattr(l.counters, f"preemptions_{mode}")))
         yield pre
         counters = {
             "folio_swapped_out_blocks": ("KV blocks swapped out to CPU", lambda l: l.swapped_out_blocks),
             "folio_swapped_in_blocks": ("KV blocks swapped back in", lambda l: l.swapped_in_blocks),
             "folio_migrations": ("Requests migrated into the worker", lambda l: l.num_migrations_in),
-            "folio_prompt_tokens": ("Prompt tokens admitted", lambda l: l.counters.get("prompt_tokens", 0)),
-            "folio_generation_tokens": ("Tokens generated", lambda l: l.counters.get("generation_tokens", 0)),
+            "folio_prompt_tokens": ("Prompt tokens admitted", lambda l: l.counters.prompt_tokens),
+            "folio_generation_tokens": ("Tokens generated", lambda l: l.counters.generation_tokens),
             "folio_prefix_cache_queries": ("Prefix-cache blocks looked up",
-                                           lambda l: l.counters.get("prefix_cache_queries", 0)),
-            "folio_prefix_cache_hits": ("Prefix-cache blocks found", lambda l: l.counters.get("prefix_cache_hits", 0)),
-            "folio_engine_steps": ("Engine steps run", lambda l: l.counters.get("steps", 0)),
+                                           lambda l: l.counters.prefix_cache_queries),
+            "folio_prefix_cache_hits": ("Prefix-cache blocks found", lambda l: l.counters.prefix_cache_hits),
+            "folio_engine_steps": ("Engine steps run", lambda l: l.counters.timings.steps),
         }
         for name, (doc, get) in counters.items():
             c = CounterMetricFamily(name, doc, labels=["model_name", "worker"])
@@ -95,9 +95,9 @@ class WorkerCollector:
         phases = CounterMetricFamily("folio_engine_step_seconds", "Seconds of engine steps, by phase",
                                      labels=["model_name", "worker", "phase"])
         for w, l in loads.items():
-            for k, v in l.counters.items():
-                if k.startswith("step_s_"):
-                    phases.add_metric([m, w, k[len("step_s_"):]], float(v))
+            for phase, seconds in vars(l.counters.timings).items():
+                if phase != "steps":
+                    phases.add_metric([m, w, phase], float(seconds))
         yield phases
 
 

@@ -61,7 +61,8 @@ class StreamText:
             if reason is not None:
                 self.ended.add(d.index)
             lps = d.logprobs[:keep] if d.logprobs is not None else None
-            deltas.append(CompletionDelta(d.index, ids[:keep], ts.delta(reason is not None),
-                                          d.num_tokens - (len(ids) - keep), reason, lps))
+            deltas.append(CompletionDelta(index=d.index, token_ids=ids[:keep], text=ts.delta(reason is not None),
+                                          num_tokens=d.num_tokens - (len(ids) - keep), finish_reason=reason,
+                                          logprobs=lps))
         finished = chunk.finished or len(self.ended) >= self.params.n
         return dataclasses.replace(chunk, deltas=deltas, finished=finished)

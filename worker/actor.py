@@ -18,7 +18,7 @@ engine: the publisher thread takes the newest load and drops the rest (prefix ch
 accumulate until sent).
 
 The class is plain Python; the cluster wraps it with `ray.remote` (see
-folio.cluster.app), and the simulated cluster runs it in-process. It never imports the
+folio.cluster.launcher), and the simulated cluster runs it in-process. It never imports the
 cluster: the publisher comes in as a factory. Its parts, one file each, share its state:
 actor_channel.py (a frontend's channel), actor_migration.py (requests leaving and arriving),
 actor_steps.py (the step thread), actor_load.py (the load it reports); this file holds the
@@ -36,7 +36,7 @@ import os
 import queue
 import threading
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import AsyncIterator, Callable
 
 from folio.worker.errors import InvalidRequestError, UnavailableError
 from folio.worker.messages import (GenerateRequest, RequestSummary, StreamChunk, WorkerLoad, merge_chunks,
@@ -46,6 +46,7 @@ from folio.worker.actor_load import LoadReports
 from folio.worker.actor_migration import Migrations
 from folio.worker.actor_steps import StepLoop
 from folio.worker.data_plane import DataServer
+from folio.worker.engine_core import EngineCore
 from folio.worker.heartbeat import Heartbeat, LoadPublisher
 from folio.worker.outbox import Outbox, Tombstones
 
@@ -55,7 +56,7 @@ log = logging.getLogger("folio.worker")
 
 
 class EngineWorker(FrontendChannels, Migrations, StepLoop, LoadReports):
-    def __init__(self, worker_id: str, engine_factory: Callable[[], Any],
+    def __init__(self, worker_id: str, engine_factory: Callable[[], EngineCore],
                  publisher_factory: Callable[[], LoadPublisher] | None = None, heartbeat_s: float = 0.1,
                  exit_on_failure_s: float | None = None) -> None:
         """`exit_on_failure_s`: once the engine fails (a fault no request explains), exit the
@@ -66,7 +67,7 @@ class EngineWorker(FrontendChannels, Migrations, StepLoop, LoadReports):
         self._moving: dict[str, tuple] = {}  # exported, not yet settled: rid -> (destination, state, move id)
         self._move_ids = itertools.count()
         self._arrivals: dict[str, list[asyncio.Event]] = {}  # attach() waiting for an import: rid -> events
-        self.engine: Any = None  # built by the step thread (_step_loop), before __init__ returns
+        self.engine: EngineCore | None = None  # built by the step thread (_step_loop), before __init__ returns
         self.heartbeat_s = heartbeat_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -200,7 +201,8 @@ class EngineWorker(FrontendChannels, Migrations, StepLoop, LoadReports):
         instead of every heartbeat listing every request."""
         def run(e):
             rids = e.running_request_ids(min_priority)
-            out = [RequestSummary(rid, state, prio, wall_from_mono(arr), blocks)
+            out = [RequestSummary(request_id=rid, state=state, priority=prio, arrival_time=wall_from_mono(arr),
+                                  num_blocks=blocks)
                    for rid, state, prio, arr, blocks in e.request_summaries(rids) if state == "running"]
             out.sort(key=lambda r: (-r.priority, -r.arrival_time, r.request_id))
             return out[:RUNNING_LISTED]
@@ -228,7 +230,7 @@ class EngineWorker(FrontendChannels, Migrations, StepLoop, LoadReports):
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and await self._call(lambda e: e.has_unfinished_requests()):
             await asyncio.sleep(0.02)
-        return await self._call(lambda e: sum(self._abort(rid) for rid in list(e.groups)))
+        return await self._call(lambda e: sum(self._abort(rid) for rid in e.request_ids()))
 
     async def ping(self) -> str:
         return self.worker_id

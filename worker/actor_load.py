@@ -4,9 +4,10 @@ to Redis, and keeps the worker alive in Redis while a step runs long."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
-from folio.worker.messages import RequestSummary, WorkerLoad, wall_from_mono
+from folio.worker.messages import EngineCounters, QueueState, RequestSummary, WorkerLoad, wall_from_mono
 
 QUEUED_IN_LOAD = 64  # the most waiting / swapped requests a heartbeat lists (the most urgent)
 
@@ -23,22 +24,26 @@ class LoadReports:
             rate = (e.num_generated_tokens - n0) / (now - t0)
             self._rate = (now, e.num_generated_tokens, rate)
         # the requests that wait for room, most urgent first; running ones only on request
-        reqs = [RequestSummary(rid, state, prio, wall_from_mono(arr), blocks)
-                for rid, state, prio, arr, blocks in e.request_summaries(e.queued_request_ids()) if state != "running"]
+        reqs = [RequestSummary(request_id=rid, state=state, priority=prio, arrival_time=wall_from_mono(arr),
+                               num_blocks=blocks)
+                for rid, state, prio, arr, blocks in e.request_summaries(e.queued_request_ids())
+                if state is not QueueState.RUNNING]
         reqs.sort(key=lambda r: (r.priority, r.arrival_time, r.request_id))
         queued, least_urgent = e.queue_figures()
-        return WorkerLoad(self.worker_id, time.time(), st.num_kv_blocks, st.num_free_blocks, st.num_cpu_blocks,
-                          st.num_free_cpu_blocks, e.config.block_size, st.num_running,
-                          st.num_waiting, st.num_swapped, queued, rate, st.num_preemptions, st.swapped_out_blocks,
-                          st.swapped_in_blocks, self.num_migrations_in, self.num_migrations_out, self._draining,
-                          reqs[:QUEUED_IN_LOAD],
-                          {"prompt_tokens": self.num_prompt_tokens, "generation_tokens": st.num_generated_tokens,
-                           "preemptions_swap": st.preemptions_by_mode.get("swap", 0),
-                           "preemptions_recompute": st.preemptions_by_mode.get("recompute", 0),
-                           "prefix_cache_queries": st.prefix_cache_queries, "prefix_cache_hits": st.prefix_cache_hits,
-                           "cpu_usage": st.cpu_usage, "steps": e.timings.steps,
-                           **{f"step_s_{k}": v for k, v in vars(e.timings).items() if k != "steps"}},
-                          least_urgent)
+        counters = EngineCounters(prompt_tokens=self.num_prompt_tokens, generation_tokens=st.num_generated_tokens,
+                                  preemptions_swap=st.preemptions_by_mode.get("swap", 0),
+                                  preemptions_recompute=st.preemptions_by_mode.get("recompute", 0),
+                                  prefix_cache_queries=st.prefix_cache_queries, prefix_cache_hits=st.prefix_cache_hits,
+                                  timings=dataclasses.replace(e.timings))
+        return WorkerLoad(worker_id=self.worker_id, timestamp=time.time(), num_kv_blocks=st.num_kv_blocks,
+                          num_free_blocks=st.num_free_blocks, block_size=e.config.block_size,
+                          num_cpu_blocks=st.num_cpu_blocks, num_free_cpu_blocks=st.num_free_cpu_blocks,
+                          cpu_usage=st.cpu_usage, num_running=st.num_running, num_waiting=st.num_waiting,
+                          num_swapped=st.num_swapped, queued_tokens=queued, tokens_per_s=rate,
+                          num_preemptions=st.num_preemptions, swapped_out_blocks=st.swapped_out_blocks,
+                          swapped_in_blocks=st.swapped_in_blocks, num_migrations_in=self.num_migrations_in,
+                          num_migrations_out=self.num_migrations_out, draining=self._draining,
+                          requests=reqs[:QUEUED_IN_LOAD], counters=counters, max_running_priority=least_urgent)
 
     def _alive(self) -> bool:
         """For the heartbeat's keep-alive (publisher thread): the step thread runs, has not
@@ -50,4 +55,4 @@ class LoadReports:
 
     def _offer_load(self) -> None:
         if self._heartbeat is not None and not self.failed:
-            self._heartbeat.beat(self._load, self.engine.kv)
+            self._heartbeat.beat(self._load, self.engine)

@@ -35,7 +35,8 @@ class Migrations:
         moving = self._moving.pop(request_id, None)
         if moving is None or request_id not in self._streams:
             return False
-        self._put(request_id, StreamChunk(request_id, self.worker_id, [], migrated_to=destination))
+        self._put(request_id, StreamChunk(request_id=request_id, worker_id=self.worker_id, deltas=[],
+                                          migrated_to=destination))
         return True
 
     async def cancel_migration(self, request_id: str) -> bool:

@@ -15,7 +15,7 @@ import traceback
 from typing import Any, Callable
 
 from folio.worker.errors import RequestFailedError, UnavailableError, WorkerFailedError
-from folio.worker.messages import CompletionDelta, GenerateRequest, StreamChunk
+from folio.worker.messages import CompletionDelta, FinishReason, GenerateRequest, StreamChunk
 
 log = logging.getLogger("folio.worker")
 
@@ -50,7 +50,8 @@ class StepLoop:
 
     def _add(self, e, rid: str, req: GenerateRequest, arrival: float | None) -> None:
         if self._tombstones.take(rid):  # its abort came first: it ends before it starts
-            self._put(rid, StreamChunk(rid, self.worker_id, [CompletionDelta(0, [], "", 0, "abort")], finished=True))
+            ended = CompletionDelta(index=0, token_ids=[], text="", num_tokens=0, finish_reason=FinishReason.ABORT)
+            self._put(rid, StreamChunk(request_id=rid, worker_id=self.worker_id, deltas=[ended], finished=True))
             return
         e.add_request(rid, req.prompt_token_ids, req.params, priority=req.priority, arrival_time=arrival,
                       output_kind="delta")
@@ -62,8 +63,9 @@ class StepLoop:
             self._tombstones.abort_unknown(rid)  # an abort that overtook its request still wins
             return False
         sent = self._sent.get(rid, {0: 0})
-        self._put(rid, StreamChunk(rid, self.worker_id, [CompletionDelta(i, [], "", n, "abort")
-                                                         for i, n in sorted(sent.items()) or [(0, 0)]], finished=True))
+        deltas = [CompletionDelta(index=i, token_ids=[], text="", num_tokens=n, finish_reason=FinishReason.ABORT)
+                  for i, n in sorted(sent.items()) or [(0, 0)]]
+        self._put(rid, StreamChunk(request_id=rid, worker_id=self.worker_id, deltas=deltas, finished=True))
         return True
 
     def _put(self, rid: str, item) -> None:
@@ -144,15 +146,17 @@ class StepLoop:
         for c in out.outputs:
             n = sent.get(c.index, 0) + len(c.token_ids)
             sent[c.index] = n
-            deltas.append(CompletionDelta(c.index, list(c.token_ids), c.text, n, c.finish_reason, c.logprobs))
+            deltas.append(CompletionDelta(index=c.index, token_ids=list(c.token_ids), text=c.text, num_tokens=n,
+                                          finish_reason=c.finish_reason, logprobs=c.logprobs))
         m = out.metrics
         npre = m.num_preemptions if m is not None else 0
         queue_s = None
         if m is not None and m.first_scheduled_time is not None and not any(sent.get(c.index, 0) > len(c.token_ids)
                                                                             for c in out.outputs):
             queue_s = m.first_scheduled_time - m.arrival_time  # the request's first chunk
-        self._put(out.request_id, StreamChunk(out.request_id, self.worker_id, deltas, out.finished, None, npre,
-                                              queue_s, out.prompt_logprobs))
+        self._put(out.request_id, StreamChunk(request_id=out.request_id, worker_id=self.worker_id, deltas=deltas,
+                                              finished=out.finished, migrated_to=None, num_preemptions=npre,
+                                              queue_s=queue_s, prompt_logprobs=out.prompt_logprobs))
 
     def _fail(self, tb: str) -> None:
         """The engine raised inside a step: its state cannot be trusted. Every request fails

@@ -42,6 +42,8 @@ class KVCacheManager(Protocol):
     def swap_out(self, seq: Sequence) -> bool: ...
     def swap_in(self, seq: Sequence, reserve: int = 0) -> bool: ...
     def swapped_blocks(self, seq: Sequence) -> int: ...
+    def host_block_table(self, seq: Sequence) -> list[int]: ...  # a swapped sequence's swap-space blocks
+    def adopt_swapped(self, seq: Sequence, num_blocks: int) -> list[int] | None: ...  # see SwapSpace.adopt
     def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]: ...
     def max_blocks_per_seq(self, num_tokens: int) -> int: ...
     @property
@@ -201,6 +203,14 @@ class PagedKVManager:
 
     def swapped_blocks(self, seq: Sequence) -> int:
         return len(self.swap.tables[seq.seq_id])
+
+    def host_block_table(self, seq: Sequence) -> list[int]:
+        return self.swap.tables[seq.seq_id]
+
+    def adopt_swapped(self, seq: Sequence, num_blocks: int) -> list[int] | None:
+        """Swap-space blocks for `seq`, as if it had been swapped out (an imported request's KV
+        is written there); None when they do not fit."""
+        return self.swap.adopt(seq.seq_id, num_blocks)
 
     def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         return self.swap.take_swaps()

@@ -82,6 +82,12 @@ class ContiguousKVManager:
     def swapped_blocks(self, seq: Sequence) -> int:
         return 0
 
+    def host_block_table(self, seq: Sequence) -> list[int]:
+        return []
+
+    def adopt_swapped(self, seq: Sequence, num_blocks: int) -> list[int] | None:
+        return None  # no swap space: an imported request recomputes
+
     def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         return [], []
 

@@ -2,7 +2,7 @@
 of what changed rather than of what exists.
 
     step thread, between two steps            publisher thread
-    beat(load, kv)  ->  pending: latest load  ->  publisher.publish(load, whole | changes)
+    beat(load, engine)  ->  pending: latest load  ->  publisher.publish(load, whole | changes)
                         + prefix changes          (Redis: cluster/state.py)
                           merged until sent
 
@@ -27,11 +27,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Protocol
+from typing import Callable, Protocol
 
 from folio.worker.messages import WorkerLoad
 
 log = logging.getLogger("folio.worker")
+
+
+class PrefixIndex(Protocol):  # EngineCore's prefix queries
+    def cached_block_hashes(self) -> set[bytes]: ...
+    def prefix_cache_changes(self) -> tuple[dict[bytes, bool], bool]: ...
 
 
 class LoadPublisher(Protocol):
@@ -63,14 +68,15 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def beat(self, make_load: Callable[[], WorkerLoad], kv: Any) -> None:
-        """Step thread: hand over a new load and the prefix changes since the last beat."""
+    def beat(self, make_load: Callable[[], WorkerLoad], index: PrefixIndex) -> None:
+        """Step thread: hand over a new load and the prefix changes since the last beat
+        (`index`: the engine, EngineCore's prefix queries)."""
         t0 = time.thread_time()
         load = make_load()
-        changes, lost = kv.prefix_cache_changes()
+        changes, lost = index.prefix_cache_changes()
         with self._lock:
             if self._need_whole or lost:
-                self._whole, self._changes, self._need_whole = kv.cached_block_hashes(), {}, False
+                self._whole, self._changes, self._need_whole = index.cached_block_hashes(), {}, False
                 self.num_resyncs += 1
             elif self._whole is not None:  # an unsent resync: bring it up to date
                 for h, cached in changes.items():

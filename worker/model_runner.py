@@ -9,6 +9,8 @@ are packed into one flat batch:
     block_tables                           [num_seqs, max_blocks] (zero-padded)
 
 A sequence whose tokens are then all computed is sampled from its last row.
+
+ModelRunner is the engine's Runner (runner.py) on a real model: `run` = prepare + execute.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from folio import kernels
 from folio.kernels.linear import warm_row_buckets
 from folio.worker.block_manager import KVCacheManager, cdiv
 from folio.worker.models.llama import AttentionMetadata, LlamaModel
+from folio.worker.runner import ModelInfo
+from folio.worker.sampler import SampleResult, sample
 from folio.worker.sequence import Sequence
 
 
@@ -37,9 +41,11 @@ class ModelInputs:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, num_cpu_blocks: int = 0, layout: str = "block_major") -> None:
+                 device: torch.device, num_cpu_blocks: int = 0, layout: str = "block_major",
+                 info: ModelInfo | None = None) -> None:
         c = model.config
         self.model = model
+        self.info = info  # set by runner.load_runner
         self.block_size = block_size
         self.device = device
         # One allocation for the whole cache, laid out
@@ -65,6 +71,7 @@ class ModelRunner:
         # faults, swap-outs ran at 15-34 % of a plain copy instead of 29-48 % (preemption.py).
         self.host_blocks = cache(num_cpu_blocks, pin_memory=device.type == "cuda")
         self.bytes_per_block = self.kv_blocks[0].numel() * self.kv_blocks.element_size()
+        self.block_shape = tuple(self.kv_blocks.shape[1:])
         # per-block views for swap_blocks, made once (slicing them per swap cost more than the copy
         # setup itself); built when the first swap needs them
         self._block_views: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
@@ -94,6 +101,41 @@ class ModelRunner:
         m = self.model
         layers = [lin for layer in m.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         return warm_row_buckets(layers + [(m.lm_head, max_num_seqs)], max_num_tokens)
+
+    def run(self, scheduled: list[tuple[Sequence, int]], kv: KVCacheManager
+            ) -> tuple[list[Sequence], torch.Tensor | None]:
+        inputs = self.prepare(scheduled, kv)
+        return inputs.sample_seqs, self.execute(inputs)
+
+    def sample(self, logits: torch.Tensor, params: list, generators: list, seqs: list[Sequence], eos_token_ids,
+               grammars) -> SampleResult:
+        return sample(logits, params, generators, seqs, eos_token_ids, grammars)
+
+    def healthy(self) -> bool:
+        """A forward of one dummy token that writes no KV (slot -1); .item() syncs, so a device
+        error surfaces here."""
+        try:
+            dev = self.device
+            meta = AttentionMetadata(slot_mapping=torch.tensor([-1], dtype=torch.long, device=dev),
+                                     block_tables=torch.zeros((1, 1), dtype=torch.int32, device=dev),
+                                     seq_lens=torch.ones(1, dtype=torch.int32, device=dev),
+                                     query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=dev))
+            meta.plan = self.model.ops.plan_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                                      self.block_size,
+                                                      kernels.kv_bytes_per_token(self.kv_caches[0][0]))
+            zero = torch.zeros(1, dtype=torch.long, device=dev)
+            hidden = self.model.forward(zero, zero, meta, self.kv_caches)
+            self.model.compute_logits(hidden).float().sum().item()
+            return True
+        except Exception:
+            return False
+
+    def read_blocks(self, blocks: list[int], on_host: bool) -> torch.Tensor:
+        src = self.host_blocks if on_host else self.kv_blocks
+        return src.index_select(0, torch.tensor(blocks, dtype=torch.long, device=src.device)).cpu()
+
+    def write_host_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
+        self.host_blocks.index_copy_(0, torch.tensor(blocks, dtype=torch.long), data.to(self.host_blocks.dtype))
 
     def prepare(self, scheduled: list[tuple[Sequence, int]], kv: KVCacheManager) -> ModelInputs:
         B = self.block_size

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from folio.worker.config import EngineConfig
 from folio.worker.errors import ConfigError
-from folio.worker.models.config import ModelConfig
+from folio.worker.models.model_config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,10 @@ def size_engine(config: EngineConfig, mc: ModelConfig) -> EngineSizes:
     num_kv_blocks = config.num_kv_blocks or int(config.kv_cache_memory_gb * (1 << 30)) // bytes_per_block
     if num_kv_blocks < 1:
         raise ConfigError("kv_cache_memory_gb is too small for one KV block")
+    reserve = -(-length // config.block_size)  # contiguous_kv.py: every request holds max_model_len's blocks
+    if config.kv_manager == "contiguous" and reserve > num_kv_blocks:
+        raise ConfigError(f"the contiguous baseline reserves {reserve} blocks per request but the cache has "
+                          f"{num_kv_blocks}")
     budget = config.max_num_batched_tokens or max(2048, length)
     if not config.enable_chunked_prefill and budget < length:
         raise ConfigError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")

@@ -15,7 +15,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from folio.cluster.app import ClusterConfig, FolioCluster  # noqa: E402
+from folio.cluster.launcher import ClusterConfig, FolioCluster  # noqa: E402
 from folio.worker import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from folio.worker.actor import EngineWorker  # noqa: E402
 from folio.worker.messages import GenerateRequest  # noqa: E402
@@ -28,7 +28,7 @@ IDLE_TIMEOUT_S = 60
 
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
-    c = FolioCluster(ClusterConfig(model=model_dirs["llama"], num_workers=2, engine=ENGINE, router="least-loaded",
+    c = FolioCluster(ClusterConfig(model=model_dirs["llama"], num_workers=2, engine_args=ENGINE, router="least-loaded",
                                    namespace="fcancel", coordinator=False)).start()
     yield c
     c.shutdown(grace_s=2)
@@ -54,8 +54,8 @@ async def client(router, rid: str, leave_after: int, cancel: bool) -> int:
     while waiting for the next one (an HTTP handler whose client disconnected; with 0,
     while its request is being submitted). Returns the tokens it read."""
     rng = random.Random(rid)
-    req = GenerateRequest(rid, [rng.randrange(3, 500) for _ in range(rng.randint(4, 40))],
-                          SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    req = GenerateRequest(request_id=rid, prompt_token_ids=[rng.randrange(3, 500) for _ in range(rng.randint(4, 40))],
+                          params=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
     got = 0
     stream = router.generate(req)
     enough = asyncio.Event()
@@ -122,7 +122,8 @@ def test_an_abort_that_overtakes_its_request_wins_through_ray(cluster):
             wid = "w0" if i % 2 == 0 else "w1"
             assert not await router.client.abort(wid, rid)  # it has not arrived yet
             chunks = [c async for c in router.generate(
-                GenerateRequest(rid, [5, 6, 7, 8], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)),
+                GenerateRequest(request_id=rid, prompt_token_ids=[5, 6, 7, 8],
+                                params=SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)),
                 worker_id=wid)]
             assert chunks[-1].finished and chunks[-1].deltas[0].finish_reason == "abort"
             assert sum(len(d.token_ids) for c in chunks for d in c.deltas) == 0
@@ -136,15 +137,16 @@ def test_an_abort_that_overtakes_its_request_wins_in_process(model_dirs):
 
     async def main():
         assert not await w.abort("a")
-        chunks = [c async for c in w.generate(GenerateRequest("a", [5, 6, 7], SamplingParams(max_tokens=50)))]
+        chunks = [c async for c in w.generate(GenerateRequest(request_id="a", prompt_token_ids=[5, 6, 7],
+                                                              params=SamplingParams(max_tokens=50)))]
         assert [c.deltas[0].finish_reason for c in chunks] == ["abort"]
         # the tombstone is spent: the same id runs normally now, and an abort after its end leaves none
-        chunks = [c async for c in w.generate(GenerateRequest("a", [5, 6, 7], SamplingParams(max_tokens=5,
-                                                                                                ignore_eos=True)))]
+        chunks = [c async for c in w.generate(GenerateRequest(request_id="a", prompt_token_ids=[5, 6, 7],
+                                                              params=SamplingParams(max_tokens=5, ignore_eos=True)))]
         assert chunks[-1].deltas[0].finish_reason == "length"
         assert not await w.abort("a")
-        chunks = [c async for c in w.generate(GenerateRequest("a", [5, 6, 7], SamplingParams(max_tokens=5,
-                                                                                                ignore_eos=True)))]
+        chunks = [c async for c in w.generate(GenerateRequest(request_id="a", prompt_token_ids=[5, 6, 7],
+                                                              params=SamplingParams(max_tokens=5, ignore_eos=True)))]
         assert chunks[-1].deltas[0].finish_reason == "length"
         st = await w.stats()
         assert st["num_streams"] == 0 and st["num_free_blocks"] == st["num_kv_blocks"]

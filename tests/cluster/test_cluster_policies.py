@@ -54,12 +54,13 @@ def test_prefix_aware_prefers_longest_match_while_balanced():
 
 
 def load(wid, free, total=100, reqs=(), cpu_free=1000, draining=False):
-    return WorkerLoad(wid, 0.0, total, free, 1000, cpu_free, 16, 0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, draining,
-                      list(reqs))
+    return WorkerLoad(worker_id=wid, timestamp=0.0, num_kv_blocks=total, num_free_blocks=free, num_cpu_blocks=1000,
+                      num_free_cpu_blocks=cpu_free, block_size=16, draining=draining,
+                      requests=list(reqs))
 
 
 def req(rid, state, blocks, prio=0, arrival=0.0):
-    return RequestSummary(rid, state, prio, arrival, blocks)
+    return RequestSummary(request_id=rid, state=state, priority=prio, arrival_time=arrival, num_blocks=blocks)
 
 
 def test_swapped_request_resumes_on_the_worker_with_room():
@@ -124,7 +125,8 @@ def test_swapped_out_kv_counts_as_load():
 
 # ---- the router's own figures: its heartbeat snapshot plus what it sent since -------------
 def _beat(wid, free, queued=0, waiting=0):
-    return WorkerLoad(wid, time.time(), 200, free, 100, 100, 16, 0, waiting, 0, queued, 0.0, 0, 0, 0, 0, 0)
+    return WorkerLoad(worker_id=wid, timestamp=time.time(), num_kv_blocks=200, num_free_blocks=free, num_cpu_blocks=100,
+                      num_free_cpu_blocks=100, block_size=16, num_waiting=waiting, queued_tokens=queued)
 
 
 def _reference(loads, sent):
@@ -166,7 +168,8 @@ def test_router_decisions_equal_the_reference_accounting_through_bursts_and_hear
                         m = state.prefix_matches(sorted(beats), hash_full_blocks(prompt, 16))
                         want = prefix_aware(cands, m, router.imbalance)
                         cached = m[want] * 16
-                    got = await router.pick(GenerateRequest(f"r{burst}-{i}", prompt, SamplingParams(max_tokens=1)))
+                    got = await router.pick(GenerateRequest(request_id=f"r{burst}-{i}", prompt_token_ids=prompt,
+                                                            params=SamplingParams(max_tokens=1)))
                     assert got == want, (burst, i)
                     sent[got].append((time.time(), len(prompt) - cached))
                     picked.append(got)

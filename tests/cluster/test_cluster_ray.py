@@ -9,7 +9,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from folio.cluster.app import ClusterConfig, FolioCluster  # noqa: E402
+from folio.cluster.launcher import ClusterConfig, FolioCluster  # noqa: E402
 from folio.cluster.router import Router  # noqa: E402
 from folio.cluster.state import ClusterState  # noqa: E402
 from folio.worker import LLM, SamplingParams  # noqa: E402
@@ -25,7 +25,7 @@ TIMEOUT_S = 120
 
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
-    c = FolioCluster(ClusterConfig(model=model_dirs["llama"], num_workers=2, engine=ENGINE,
+    c = FolioCluster(ClusterConfig(model=model_dirs["llama"], num_workers=2, engine_args=ENGINE,
                                    router="least-loaded", namespace="ftest")).start()
     yield c
     c.shutdown(grace_s=2)
@@ -77,7 +77,7 @@ def pause_coordinator(cluster, paused: bool):
 def test_greedy_through_the_cluster_matches_offline_and_hf(cluster, tokenizer, model_dirs, hf_reference):
     ids = [tokenizer(p).input_ids for p in PROMPTS]
     params = SamplingParams(max_tokens=16, temperature=0.0)
-    reqs = [GenerateRequest(f"g{i}", x, params) for i, x in enumerate(ids)]
+    reqs = [GenerateRequest(request_id=f"g{i}", prompt_token_ids=x, params=params) for i, x in enumerate(ids)]
 
     async def main():
         return await asyncio.gather(*(run(cluster.router, r) for r in reqs))
@@ -94,7 +94,8 @@ def test_bad_request_is_rejected_and_leaves_nothing(cluster):
     async def main():
         for bad in ([], [10 ** 9], list(range(400))):
             with pytest.raises(InvalidRequestError):
-                await run(cluster.router, GenerateRequest("bad", bad, SamplingParams(max_tokens=4)))
+                await run(cluster.router, GenerateRequest(request_id="bad", prompt_token_ids=bad,
+                                                          params=SamplingParams(max_tokens=4)))
     asyncio.run(main())
     assert_idle_and_consistent(cluster)
 
@@ -106,12 +107,14 @@ def test_policies_route_as_specified(cluster, tokenizer):
         rr = Router(state, cluster.router.client, "round-robin")
         ll = Router(state, cluster.router.client, "least-loaded")
         pa = Router(state, cluster.router.client, "prefix-aware")
-        probe = GenerateRequest("p", list(range(10, 20)), SamplingParams(max_tokens=4))
+        probe = GenerateRequest(request_id="p", prompt_token_ids=list(range(10, 20)),
+                                params=SamplingParams(max_tokens=4))
 
         async def main():
             assert [await rr.pick(probe) for _ in range(4)] == ["w0", "w1", "w0", "w1"]
             # uneven load: three long requests pinned to w0
-            long = [GenerateRequest(f"l{i}", list(range(30 + i, 60 + i)), SamplingParams(max_tokens=80, ignore_eos=True))
+            long = [GenerateRequest(request_id=f"l{i}", prompt_token_ids=list(range(30 + i, 60 + i)),
+                                    params=SamplingParams(max_tokens=80, ignore_eos=True))
                     for i in range(3)]
             tasks = [asyncio.create_task(run(cluster.router, r, worker_id="w0")) for r in long]
             # the router's own snapshot shows w0 loaded (w0 swaps under this burst, and a heartbeat
@@ -122,7 +125,8 @@ def test_policies_route_as_specified(cluster, tokenizer):
                     break
                 await asyncio.sleep(0.02)
             assert [await ll.pick(probe) for _ in range(4)] == ["w1"] * 4
-            short = [GenerateRequest(f"s{i}", list(range(11 + i, 20 + i)), SamplingParams(max_tokens=4))
+            short = [GenerateRequest(request_id=f"s{i}", prompt_token_ids=list(range(11 + i, 20 + i)),
+                                     params=SamplingParams(max_tokens=4))
                      for i in range(3)]
             placed = await asyncio.gather(*(run(ll, r) for r in short))
             assert [ws[0] for _, ws in placed] == ["w1"] * 3
@@ -130,7 +134,8 @@ def test_policies_route_as_specified(cluster, tokenizer):
 
             # prefix-aware: a long shared prefix cached on w1 draws requests that share it
             prefix = list(range(100, 164))  # 8 full blocks of 8
-            await run(cluster.router, GenerateRequest("seed", prefix + [5], SamplingParams(max_tokens=2)),
+            await run(cluster.router, GenerateRequest(request_id="seed", prompt_token_ids=prefix + [5],
+                                                      params=SamplingParams(max_tokens=2)),
                       worker_id="w1")
             hashes = hash_full_blocks(prefix, 8)
             seeded = time.time()
@@ -147,7 +152,8 @@ def test_policies_route_as_specified(cluster, tokenizer):
                     break
                 await asyncio.sleep(0.02)
             hits_before = stats(cluster)["w1"]["prefix_cache_hits"]
-            shared = [GenerateRequest(f"pa{i}", prefix + [200 + i, 7], SamplingParams(max_tokens=2)) for i in range(3)]
+            shared = [GenerateRequest(request_id=f"pa{i}", prompt_token_ids=prefix + [200 + i, 7],
+                                      params=SamplingParams(max_tokens=2)) for i in range(3)]
             placed = [await run(pa, r) for r in shared]
             assert [ws[0] for _, ws in placed] == ["w1"] * 3
             assert stats(cluster)["w1"]["prefix_cache_hits"] >= hits_before + 3 * 8
@@ -165,7 +171,7 @@ def test_cross_gpu_preemption_resumes_requests_on_the_other_worker(cluster, toke
     ids = [tokenizer(p).input_ids for p in PROMPTS] * 2
     params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
     before = stats(cluster)
-    reqs = [GenerateRequest(f"x{i}", x, params) for i, x in enumerate(ids)]
+    reqs = [GenerateRequest(request_id=f"x{i}", prompt_token_ids=x, params=params) for i, x in enumerate(ids)]
 
     async def main():
         return await asyncio.gather(*(run(cluster.router, r, worker_id="w0") for r in reqs))
@@ -185,8 +191,9 @@ def test_redis_restart_mid_load_keeps_serving(cluster, model_dirs):
     state = ClusterState(cluster.redis_url, "ftest")
 
     async def main():
-        tasks = [asyncio.create_task(run(cluster.router, GenerateRequest(f"rr{i}", x, params)))
-                 for i, x in enumerate(ids)]
+        tasks = [asyncio.create_task(run(cluster.router,
+                                         GenerateRequest(request_id=f"rr{i}", prompt_token_ids=x,
+                                                         params=params))) for i, x in enumerate(ids)]
         await asyncio.sleep(0.3)
         state.r.set("ftest:sentinel", b"before")
         cluster.redis.restart()  # all cluster state is gone
@@ -197,7 +204,7 @@ def test_redis_restart_mid_load_keeps_serving(cluster, model_dirs):
                 break
             await asyncio.sleep(0.05)
         assert sorted(state.live_loads()) == ["w0", "w1"]
-        after = await run(cluster.router, GenerateRequest("after", ids[0], params))
+        after = await run(cluster.router, GenerateRequest(request_id="after", prompt_token_ids=ids[0], params=params))
         return results, after
     results, after = asyncio.run(main())
     expected = offline(model_dirs["llama"], ids, params)
@@ -207,7 +214,7 @@ def test_redis_restart_mid_load_keeps_serving(cluster, model_dirs):
 
 RESTART_BOUND_S = 30.0  # kill -> back in the registry and serving (benchmarks/worker_restart.py measures it)
 # kill -> the in-flight request failed: ~0.01-0.2 s measured. Ray's default death-info wait for a restartable
-# actor (RAY_timeout_ms_task_wait_for_death_info=1000, on a 1 s tick; cluster/app.py sets 0) made it 1.0-2.0 s
+# actor (RAY_timeout_ms_task_wait_for_death_info=1000, on a 1 s tick; cluster/launcher.py sets 0) made it 1.0-2.0 s
 IN_FLIGHT_FAIL_BOUND_S = 1.0
 
 
@@ -242,7 +249,9 @@ def test_killed_worker_fails_or_reroutes_its_requests_and_is_restarted(cluster, 
         async def long(i):
             n = 0
             try:
-                async for chunk in rr.generate(GenerateRequest(f"k{i}", list(range(10 + i, 30 + i)), params)):
+                async for chunk in rr.generate(GenerateRequest(request_id=f"k{i}",
+                                                               prompt_token_ids=list(range(10 + i,
+                                                                                           30 + i)), params=params)):
                     n += sum(len(d.token_ids) for d in chunk.deltas)
                     if chunk.worker_id == "w1" and n >= 5:
                         streaming_on_w1.set()
@@ -256,7 +265,8 @@ def test_killed_worker_fails_or_reroutes_its_requests_and_is_restarted(cluster, 
         t_kill = time.monotonic()
         # right after the kill Redis still lists w1 for up to its TTL: requests sent there
         # before they stream anything are re-run on w0
-        fresh = [await run(rr, GenerateRequest(f"f{i}", list(range(50 + i, 60 + i)), SamplingParams(max_tokens=3)))
+        fresh = [await run(rr, GenerateRequest(request_id=f"f{i}", prompt_token_ids=list(range(50 + i, 60 + i)),
+                                               params=SamplingParams(max_tokens=3)))
                  for i in range(4)]
         results = await asyncio.gather(*tasks, return_exceptions=True)
         fail_s = [t - t_kill for t in failed_at.values()]
@@ -271,12 +281,14 @@ def test_killed_worker_fails_or_reroutes_its_requests_and_is_restarted(cluster, 
             assert time.monotonic() - t_kill < RESTART_BOUND_S, "w1 did not register again"
             await asyncio.sleep(0.05)
         registered_s = time.monotonic() - t_kill
-        pinned = await run(rr, GenerateRequest("after", *probe), worker_id="w1")
+        pinned = await run(rr, GenerateRequest(request_id="after", prompt_token_ids=probe[0], params=probe[1]),
+                           worker_id="w1")
         serving_s = time.monotonic() - t_kill
         routed = []  # the router picks w1 again once its load snapshot holds w1's new heartbeat
         deadline = time.monotonic() + 15
         while "w1" not in routed and time.monotonic() < deadline:
-            routed.append(await rr.pick(GenerateRequest(f"p{len(routed)}", *probe)))
+            routed.append(await rr.pick(GenerateRequest(request_id=f"p{len(routed)}", prompt_token_ids=probe[0],
+                                                            params=probe[1])))
             await asyncio.sleep(0.1)  # lets the background refresh of the loads run
         return results, fresh, fail_s, registered_s, pinned, serving_s, routed
     results, fresh, fail_s, registered_s, pinned, serving_s, routed = asyncio.run(main())
@@ -309,7 +321,8 @@ def test_folio_drain_stops_admission_on_a_live_cluster(cluster):
 
     async def main():
         with pytest.raises(UnavailableError, match="draining"):
-            await run(cluster.router, GenerateRequest("late", [1, 2, 3], SamplingParams(max_tokens=2)),
+            await run(cluster.router, GenerateRequest(request_id="late", prompt_token_ids=[1, 2, 3],
+                                                      params=SamplingParams(max_tokens=2)),
                       worker_id="w0")
     asyncio.run(main())
 

@@ -22,17 +22,22 @@ def ns(request):
 
 
 def load(wid, free=10, reqs=()):
-    return WorkerLoad(wid, time.time(), 32, free, 64, 60, 16, 1, 2, 3, 40, 12.5, 4, 5, 6, 0, 0, False, list(reqs))
+    return WorkerLoad(worker_id=wid, timestamp=time.time(), num_kv_blocks=32, num_free_blocks=free, num_cpu_blocks=64,
+                      num_free_cpu_blocks=60, block_size=16, num_running=1, num_waiting=2, num_swapped=3,
+                      queued_tokens=40, tokens_per_s=12.5, num_preemptions=4, swapped_out_blocks=5,
+                      swapped_in_blocks=6, requests=list(reqs))
 
 
 def test_heartbeat_registers_and_expires(redis_server, ns):
     pub = WorkerPublisher(redis_server.url, ns, ttl_s=1.0)
     state = ClusterState(redis_server.url, ns)
-    pub.publish(load("w0", reqs=[RequestSummary("r1", "swapped", 2, 123.0, 4)]), set())
+    pub.publish(load("w0", reqs=[RequestSummary(request_id="r1", state="swapped", priority=2, arrival_time=123.0,
+                                                num_blocks=4)]), set())
     pub.publish(load("w1"), set())
     loads = state.live_loads()
     assert sorted(loads) == ["w0", "w1"]
-    assert loads["w0"].requests == [RequestSummary("r1", "swapped", 2, 123.0, 4)]
+    assert loads["w0"].requests == [RequestSummary(request_id="r1", state="swapped", priority=2, arrival_time=123.0,
+                                                   num_blocks=4)]
     assert loads["w0"].queued_tokens == 40 and loads["w0"].kv_usage == pytest.approx(22 / 32)
     assert state.swapped_directory() == [("w0", "r1", {"blocks": 4, "priority": 2, "arrival": 123.0})]
     deadline = time.monotonic() + 10  # w0's key expires after its TTL while w1 keeps beating

@@ -76,8 +76,11 @@ def test_frames_carry_a_frontends_requests_and_a_closed_connection_aborts_them(m
         host, port, token = await w.data_address()
         assert host == "127.0.0.1" and port > 0 and len(token) == 32
         c = _Conn(*await data_plane.connect(host, port, token, "fe-1"))
-        reqs = [GenerateRequest(f"r{i}", tokenizer(p).input_ids, SamplingParams(**GREEDY)) for i, p in enumerate(PROMPTS)]
-        first = c.send([("submit", r) for r in reqs] + [("submit", GenerateRequest("gone", [5, 6, 7], LONG))])
+        reqs = [GenerateRequest(request_id=f"r{i}", prompt_token_ids=tokenizer(p).input_ids,
+                                params=SamplingParams(**GREEDY)) for i, p in enumerate(PROMPTS)]
+        first = c.send([("submit", r) for r in reqs] + [("submit",
+                                                         GenerateRequest(request_id="gone", prompt_token_ids=[5, 6, 7],
+                                                                         params=LONG))])
         second = c.send([("abort", "gone")])  # a batch of its own, behind the submit: it still wins
         tokens, done, sizes = {}, set(), []
         while len(done) < len(reqs) + 1:
@@ -95,14 +98,16 @@ def test_frames_carry_a_frontends_requests_and_a_closed_connection_aborts_them(m
         # a second connection for the same subscriber is refused; the first keeps working
         assert await _refused(host, port, b"FOLIO-DATA/1 " + token.encode() + b" fe-1\n")
         gen0 = await w._call(lambda e: e.num_generated_tokens)
-        c.send([("submit", GenerateRequest("long", tokenizer(PROMPTS[0]).input_ids, LONG))])
+        c.send([("submit", GenerateRequest(request_id="long", prompt_token_ids=tokenizer(PROMPTS[0]).input_ids,
+                                           params=LONG))])
         await c.chunks()
         c.writer.close()  # the frontend went away
         s = await _idle(w)
         assert s["num_streams"] == 0 and s["num_free_blocks"] == s["num_kv_blocks"] and s["num_subscribers"] == 0
         assert await w._call(lambda e: e.num_generated_tokens) - gen0 < 150, "the request ran on after the close"
         # the closed subscriber stays closed: a late submit on it is never run
-        await w.commands("fe-1", [("submit", GenerateRequest("late", [5, 6, 7], LONG))])
+        await w.commands("fe-1", [("submit", GenerateRequest(request_id="late", prompt_token_ids=[5, 6, 7],
+                                                             params=LONG))])
         assert (await _idle(w))["num_streams"] == 0
         await w.check_invariants()
 
@@ -115,7 +120,7 @@ def test_a_frontend_that_cannot_connect_closes_its_subscriber(model):
     w = make_worker(model, "w0")
 
     async def main():
-        await w.commands("fe-x", [("submit", GenerateRequest("r", [5, 6, 7], LONG))])
+        await w.commands("fe-x", [("submit", GenerateRequest(request_id="r", prompt_token_ids=[5, 6, 7], params=LONG))])
         assert (await w.stats())["num_subscribers"] == 1
         await w.commands("fe-x", [("close", "")])
         s = await _idle(w)
@@ -160,7 +165,8 @@ def test_a_silent_connection_is_closed_and_a_real_subscriber_still_streams(worke
         assert await asyncio.wait_for(r.read(), 5) == b""
         wr.close()
         c = _Conn(*await data_plane.connect(host, port, token, "fe-ok"))
-        c.send([("submit", GenerateRequest("ok", [5, 6, 7], SamplingParams(**GREEDY)))])
+        c.send([("submit", GenerateRequest(request_id="ok", prompt_token_ids=[5, 6, 7],
+                                           params=SamplingParams(**GREEDY)))])
         n = 0
         while True:
             batch = await c.chunks()
@@ -169,7 +175,8 @@ def test_a_silent_connection_is_closed_and_a_real_subscriber_still_streams(worke
                 break
         assert n == GREEDY["max_tokens"]
         # a batch the worker cannot apply comes back as its error, and the connection stays
-        for bad in ("not a batch", [("submit", GenerateRequest("half", [5], LONG)), ("launch", 1)], [("submit",)]):
+        for bad in ("not a batch", [("submit", GenerateRequest(request_id="half", prompt_token_ids=[5], params=LONG)),
+                                    ("launch", 1)], [("submit",)]):
             assert isinstance(await c.result(c.send(bad)), InvalidRequestError)
         assert (await w.worker.stats())["num_streams"] == 0, "half a malformed batch was applied"
         assert await c.result(c.send([("abort", "nothing-here")])) == [False]

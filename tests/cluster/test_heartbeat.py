@@ -15,9 +15,9 @@ from folio.cluster.state import ClusterState, WorkerPublisher
 from folio.cluster.worker_client import LocalWorkerClient
 from folio.worker.actor import EngineWorker
 from folio.worker.messages import GenerateRequest
-from folio.worker.roofline import Roofline
+from folio.cluster.sim.roofline import Roofline
 from folio.worker.sampling_params import SamplingParams
-from folio.worker.sim_engine import SimulatedEngine
+from folio.cluster.sim.runner import simulated_engine
 
 
 class CountingPublisher(WorkerPublisher):
@@ -35,7 +35,7 @@ class CountingPublisher(WorkerPublisher):
 
 def _worker(url, ns, wid="w0", blocks=64):
     pub = functools.partial(CountingPublisher, url, ns)
-    eng = functools.partial(SimulatedEngine, Roofline.named(), block_size=4, num_kv_blocks=blocks, time_scale=0.0)
+    eng = functools.partial(simulated_engine, Roofline.named(), block_size=4, num_kv_blocks=blocks, time_scale=0.0)
     return EngineWorker(wid, eng, pub, heartbeat_s=0.01)
 
 
@@ -58,7 +58,8 @@ async def _run(w, rng, n):
 
     async def one(i):
         prompt = rng.choice(families) + [rng.randrange(1, 50) for _ in range(rng.randrange(0, 12))]
-        req = GenerateRequest(f"r{i}", prompt, SamplingParams(max_tokens=rng.randrange(1, 12), ignore_eos=True))
+        req = GenerateRequest(request_id=f"r{i}", prompt_token_ids=prompt,
+                              params=SamplingParams(max_tokens=rng.randrange(1, 12), ignore_eos=True))
         async for _ in w.generate(req):
             pass
     await asyncio.gather(*(one(i) for i in range(n)))
@@ -97,7 +98,7 @@ def test_heartbeats_list_no_running_request_and_the_coordinator_asks_for_victims
     from folio.cluster.coordinator import Coordinator
 
     with EmbeddedRedis() as server:
-        eng = functools.partial(SimulatedEngine, Roofline.named(), block_size=16, num_kv_blocks=40, time_scale=1.0)
+        eng = functools.partial(simulated_engine, Roofline.named(), block_size=16, num_kv_blocks=40, time_scale=1.0)
         pub = functools.partial(WorkerPublisher, server.url, "v")
         workers = {w: EngineWorker(w, eng, pub, heartbeat_s=0.02) for w in ("a", "b")}
         client = LocalWorkerClient(workers)
@@ -105,7 +106,8 @@ def test_heartbeats_list_no_running_request_and_the_coordinator_asks_for_victims
 
         async def main():
             def req(rid, prompt, n, prio):
-                return GenerateRequest(rid, prompt, SamplingParams(max_tokens=n, ignore_eos=True), priority=prio)
+                return GenerateRequest(request_id=rid, prompt_token_ids=prompt,
+                                       params=SamplingParams(max_tokens=n, ignore_eos=True), priority=prio)
             low = [asyncio.create_task(_drain(client.generate(w, req(f"low-{w}", list(range(1 + i, 401 + i)), 100, 5))))
                    for i, w in enumerate("ab")]
             await asyncio.sleep(0.2)
@@ -148,7 +150,8 @@ def test_a_step_longer_than_the_ttl_keeps_the_worker_alive_and_a_stuck_one_does_
 
         async def main():
             task = asyncio.create_task(_drain(w.generate(GenerateRequest(
-                "r", list(range(10, 30)), SamplingParams(max_tokens=2, ignore_eos=True)))))
+                request_id="r", prompt_token_ids=list(range(10, 30)), 
+                params=SamplingParams(max_tokens=2, ignore_eos=True)))))
             await asyncio.sleep(0.3)
             seen = []
             for _ in range(30):  # 3 s, all within the first 4 s step
@@ -160,7 +163,8 @@ def test_a_step_longer_than_the_ttl_keeps_the_worker_alive_and_a_stuck_one_does_
             monkeypatch.setattr(EngineWorker, "STEP_STALL_S", 0.5)
             slow_s[0] = 5.0
             task = asyncio.create_task(_drain(w.generate(GenerateRequest(
-                "s", list(range(40, 60)), SamplingParams(max_tokens=1, ignore_eos=True)))))
+                request_id="s", prompt_token_ids=list(range(40, 60)), 
+                params=SamplingParams(max_tokens=1, ignore_eos=True)))))
             deadline = time.monotonic() + 4.5
             while "w0" in state.live_loads():  # stuck for 0.5 s, then the 1.5 s TTL runs out
                 assert time.monotonic() < deadline, "a stuck worker stayed alive"

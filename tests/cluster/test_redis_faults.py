@@ -25,7 +25,8 @@ RESTART_BOUND_S = 5.0
 
 
 def load(wid, free=10):
-    return WorkerLoad(wid, time.time(), 32, free, 64, 60, 16, 0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0, False, [])
+    return WorkerLoad(worker_id=wid, timestamp=time.time(), num_kv_blocks=32, num_free_blocks=free, num_cpu_blocks=64,
+                      num_free_cpu_blocks=60, block_size=16, requests=[])
 
 
 def wait_for(pred, timeout_s: float, what: str):
@@ -111,7 +112,8 @@ class _NoWorkers(LocalWorkerClient):
 
 
 def _pick(router, prompt):
-    return asyncio.run(router.pick(GenerateRequest("r", prompt, SamplingParams(max_tokens=1))))
+    return asyncio.run(router.pick(GenerateRequest(request_id="r", prompt_token_ids=prompt,
+                                                   params=SamplingParams(max_tokens=1))))
 
 
 def test_the_router_degrades_to_least_loaded_while_redis_is_away():
@@ -160,7 +162,8 @@ def test_a_burst_of_concurrent_picks_spreads(policy):
 
         async def burst():
             await router.live_loads(refresh=True)
-            reqs = [GenerateRequest(f"r{i}", list(range(100 * i, 100 * i + 64)), SamplingParams(max_tokens=1))
+            reqs = [GenerateRequest(request_id=f"r{i}", prompt_token_ids=list(range(100 * i, 100 * i + 64)),
+                                    params=SamplingParams(max_tokens=1))
                     for i in range(8)]
             return await asyncio.gather(*(router.pick(r) for r in reqs))
         picks = asyncio.run(burst())
@@ -186,7 +189,8 @@ def test_requests_before_the_first_figures_share_one_read_of_redis():
         router = Router(state, _NoWorkers(), "least-loaded")
 
         async def burst():
-            reqs = [GenerateRequest(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=1)) for i in range(100)]
+            reqs = [GenerateRequest(request_id=f"r{i}", prompt_token_ids=[1, 2, 3],
+                                    params=SamplingParams(max_tokens=1)) for i in range(100)]
             return await asyncio.gather(*(router.pick(r) for r in reqs))
         picks = asyncio.run(burst())
         assert set(picks) == {"a", "b"} and len(reads) == 1, len(reads)

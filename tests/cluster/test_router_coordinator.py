@@ -27,7 +27,7 @@ def test_router_follows_a_migration_without_losing_or_repeating_tokens(model, to
     async def main():
         router = Router(state=None, client=client)
         ids = tokenizer(PROMPTS[2]).input_ids
-        req = GenerateRequest("m", ids, params)
+        req = GenerateRequest(request_id="m", prompt_token_ids=ids, params=params)
         stream = router.generate(req, worker_id="a")
         tokens, workers, moved = [], [], False
         async for chunk in stream:
@@ -59,7 +59,7 @@ def test_a_refused_migration_neither_stalls_nor_breaks_the_stream(model, tokeniz
 
     async def main():
         router = Router(state=None, client=client)
-        req = GenerateRequest("m", tokenizer(PROMPTS[1]).input_ids, params)
+        req = GenerateRequest(request_id="m", prompt_token_ids=tokenizer(PROMPTS[1]).input_ids, params=params)
         tokens, times, workers, moves = [], [], [], []
 
         async def refused_move():
@@ -106,7 +106,8 @@ def test_coordinator_resumes_swapped_requests_on_the_idle_worker(model, tokenize
             router = Router(state, client)
             coord = Coordinator(state, client, interval_s=0.05)
             coord.start()
-            reqs = [GenerateRequest(f"r{i}", tokenizer(p).input_ids, SamplingParams(**params))
+            reqs = [GenerateRequest(request_id=f"r{i}", prompt_token_ids=tokenizer(p).input_ids,
+                                    params=SamplingParams(**params))
                     for i, p in enumerate(PROMPTS)]
             results = await asyncio.gather(*(collect(router.generate(r, worker_id="a")) for r in reqs))
             await coord.stop()
@@ -128,7 +129,8 @@ def test_router_takes_a_dead_worker_back_once_it_heartbeats_again():
     from folio.worker.messages import WorkerLoad
 
     def load(ts):
-        return WorkerLoad("w", ts, 8, 8, 0, 0, 8, 0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0)
+        return WorkerLoad(worker_id="w", timestamp=ts, num_kv_blocks=8, num_free_blocks=8, num_cpu_blocks=0,
+                          num_free_cpu_blocks=0, block_size=8)
     with EmbeddedRedis() as server:
         pub, state = WorkerPublisher(server.url, "dead"), ClusterState(server.url, "dead")
 

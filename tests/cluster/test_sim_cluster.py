@@ -6,12 +6,12 @@ import random
 
 import pytest
 
-from folio.cluster.sim_cluster import SimCluster
+from folio.cluster.sim.cluster import SimCluster
 from folio.worker import SamplingParams
 from folio.worker.errors import InvalidRequestError
 from folio.worker.messages import GenerateRequest
-from folio.worker.roofline import Roofline
-from folio.worker.sim_engine import SimulatedEngine
+from folio.cluster.sim.roofline import Roofline
+from folio.cluster.sim.runner import simulated_engine
 
 
 def run_offline(engine, reqs):
@@ -43,14 +43,14 @@ def test_roofline_step_times_are_those_of_the_named_hardware():
 def test_simulated_engine_is_deterministic_under_preemption_and_migration():
     r = Roofline.named()
     reqs = workload(12)
-    roomy = run_offline(SimulatedEngine(r, num_kv_blocks=4096, time_scale=0), reqs)
-    tight_engine = SimulatedEngine(r, num_kv_blocks=20, time_scale=0)
+    roomy = run_offline(simulated_engine(r, num_kv_blocks=4096, time_scale=0), reqs)
+    tight_engine = simulated_engine(r, num_kv_blocks=20, time_scale=0)
     tight = run_offline(tight_engine, reqs)
     assert tight == roomy
     assert tight_engine.stats().preemptions_by_mode["swap"] > 0
     tight_engine.check_invariants()
     # migrate mid-way
-    a, b = SimulatedEngine(r, num_kv_blocks=64, time_scale=0), SimulatedEngine(r, num_kv_blocks=64, time_scale=0)
+    a, b = simulated_engine(r, num_kv_blocks=64, time_scale=0), simulated_engine(r, num_kv_blocks=64, time_scale=0)
     a.add_request("m", reqs[0][1], SamplingParams(max_tokens=30, ignore_eos=True), output_kind="delta")
     got = []
     for _ in range(5):
@@ -58,7 +58,7 @@ def test_simulated_engine_is_deterministic_under_preemption_and_migration():
     b.import_request(a.export_request("m"))
     while b.has_unfinished_requests():
         got += [t for o in b.step() for t in o.token_ids]
-    assert got == run_offline(SimulatedEngine(r, time_scale=0, num_kv_blocks=64), [("m", reqs[0][1], 30)])["m"]
+    assert got == run_offline(simulated_engine(r, time_scale=0, num_kv_blocks=64), [("m", reqs[0][1], 30)])["m"]
     a.check_invariants()
     b.check_invariants()
     with pytest.raises(InvalidRequestError):
@@ -67,14 +67,15 @@ def test_simulated_engine_is_deterministic_under_preemption_and_migration():
 
 def test_simulated_cluster_serves_a_burst_with_migrations():
     reqs = workload(60, seed=1)
-    expected = run_offline(SimulatedEngine(Roofline.named(), num_kv_blocks=4096, time_scale=0), reqs)
+    expected = run_offline(simulated_engine(Roofline.named(), num_kv_blocks=4096, time_scale=0), reqs)
 
     async def main():
         cluster = await SimCluster(8, policy="least-loaded", time_scale=1.0, num_kv_blocks=40).start()
         try:
             async def one(rid, prompt, n, pin):
                 toks = []
-                req = GenerateRequest(rid, prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+                req = GenerateRequest(request_id=rid, prompt_token_ids=prompt,
+                                      params=SamplingParams(max_tokens=n, ignore_eos=True))
                 async for chunk in cluster.router.generate(req, worker_id=pin):
                     toks += chunk.deltas[0].token_ids
                 return rid, toks
@@ -101,11 +102,11 @@ def test_move_with_victims_preempts_them_on_the_destination_and_runs_the_request
     from folio.worker.actor import EngineWorker
 
     r = Roofline.named()
-    workers = {w: EngineWorker(w, lambda: SimulatedEngine(r, num_kv_blocks=40, time_scale=1.0)) for w in ("a", "b")}
+    workers = {w: EngineWorker(w, lambda: simulated_engine(r, num_kv_blocks=40, time_scale=1.0)) for w in ("a", "b")}
     client = LocalWorkerClient(workers)
     low = [("low-a", list(range(1, 401)), 100), ("low-b", list(range(2, 402)), 100)]
     hi = ("hi", list(range(3, 303)), 20)
-    expected = run_offline(SimulatedEngine(r, num_kv_blocks=4096, time_scale=0), low + [hi])
+    expected = run_offline(simulated_engine(r, num_kv_blocks=4096, time_scale=0), low + [hi])
 
     async def collect(gen):
         toks = []
@@ -115,7 +116,8 @@ def test_move_with_victims_preempts_them_on_the_destination_and_runs_the_request
 
     async def main():
         def req(rid, prompt, n, prio):
-            return GenerateRequest(rid, prompt, SamplingParams(max_tokens=n, ignore_eos=True), priority=prio)
+            return GenerateRequest(request_id=rid, prompt_token_ids=prompt,
+                                   params=SamplingParams(max_tokens=n, ignore_eos=True), priority=prio)
         lows = [asyncio.create_task(collect(client.generate(w, req(*low[i], prio=5)))) for i, w in enumerate("ab")]
         await asyncio.sleep(0.1)  # both workers hold their low-priority request (25+ of 40 blocks)
         hi_stream = client.generate("a", req(*hi, prio=0))
@@ -155,7 +157,7 @@ def test_no_live_worker_is_a_clear_unavailable_error():
     from folio.cluster.worker_client import LocalWorkerClient
     from folio.worker.errors import UnavailableError
 
-    req = GenerateRequest("r", [1, 2, 3], SamplingParams(max_tokens=2))
+    req = GenerateRequest(request_id="r", prompt_token_ids=[1, 2, 3], params=SamplingParams(max_tokens=2))
 
     async def pick(url):
         return await Router(ClusterState(url, "empty"), LocalWorkerClient({})).pick(req)

@@ -347,7 +347,8 @@ def migrate_across_nodes(ns: str, redis_url: str, nodes: dict[str, str], model: 
 
     async def run(i):
         tokens, workers = [], []
-        async for chunk in router.generate(GenerateRequest(f"move-{i}", prompts[i], params), worker_id=src):
+        async for chunk in router.generate(GenerateRequest(request_id=f"move-{i}", prompt_token_ids=prompts[i],
+                                                           params=params), worker_id=src):
             for d in chunk.deltas:
                 tokens.extend(d.token_ids)
             workers.append(chunk.worker_id)

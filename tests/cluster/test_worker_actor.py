@@ -67,7 +67,8 @@ def test_worker_streams_the_offline_engines_tokens_and_rejects_bad_input(model, 
     w = make_worker(model, "w0")
 
     async def main():
-        reqs = [GenerateRequest(f"r{i}", tokenizer(p).input_ids, SamplingParams(**GREEDY)) for i, p in enumerate(PROMPTS)]
+        reqs = [GenerateRequest(request_id=f"r{i}", prompt_token_ids=tokenizer(p).input_ids,
+                                params=SamplingParams(**GREEDY)) for i, p in enumerate(PROMPTS)]
         results = await asyncio.gather(*(collect(w.generate(r)) for r in reqs))
         for p, (tokens, chunks) in zip(PROMPTS, results):
             assert tokens[0] == offline[p]
@@ -75,9 +76,11 @@ def test_worker_streams_the_offline_engines_tokens_and_rejects_bad_input(model, 
             assert [c.deltas[0].num_tokens for c in chunks] == sorted({c.deltas[0].num_tokens for c in chunks})
         for bad in ([], [10 ** 9], list(range(300))):
             with pytest.raises(InvalidRequestError):
-                await collect(w.generate(GenerateRequest("bad", bad, SamplingParams(**GREEDY))))
+                await collect(w.generate(GenerateRequest(request_id="bad", prompt_token_ids=bad,
+                                                         params=SamplingParams(**GREEDY))))
         with pytest.raises(InvalidRequestError):
-            await collect(w.generate(GenerateRequest("bad", [5, 6], SamplingParams(**GREEDY), priority="high")))
+            await collect(w.generate(GenerateRequest(request_id="bad", prompt_token_ids=[5, 6],
+                                                     params=SamplingParams(**GREEDY), priority="high")))
         st = await w.stats()
         assert st["num_streams"] == 0 and st["num_free_blocks"] == st["num_kv_blocks"]
         await w.check_invariants()
@@ -93,7 +96,8 @@ def test_a_slow_reader_gets_the_steps_it_missed_merged_into_one_chunk(model, off
 
     async def read(slow: bool):
         chunks = []
-        async for chunk in w.generate(GenerateRequest(f"r{slow}", tokenizer(prompt).input_ids, params)):
+        async for chunk in w.generate(GenerateRequest(request_id=f"r{slow}",
+                                                      prompt_token_ids=tokenizer(prompt).input_ids, params=params)):
             chunks.append(chunk)
             if slow:
                 await asyncio.sleep(0.15)  # several engine steps run meanwhile
@@ -126,11 +130,13 @@ def test_a_frontends_channel_batches_its_requests_and_orders_its_aborts(model, o
     w = make_worker(model, "w0")
 
     async def main():
-        reqs = [GenerateRequest(f"r{i}", tokenizer(p).input_ids, SamplingParams(**GREEDY)) for i, p in enumerate(PROMPTS)]
+        reqs = [GenerateRequest(request_id=f"r{i}", prompt_token_ids=tokenizer(p).input_ids,
+                                params=SamplingParams(**GREEDY)) for i, p in enumerate(PROMPTS)]
         long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
         sub = w.subscribe("fe-1")
         assert await w.commands("fe-1", [("submit", r) for r in reqs] + [
-            ("submit", reqs[0]), ("submit", GenerateRequest("gone", [5, 6, 7], long)), ("abort", "gone")]) == \
+            ("submit", reqs[0]), ("submit", GenerateRequest(request_id="gone", prompt_token_ids=[5, 6, 7],
+                                                            params=long)), ("abort", "gone")]) == \
             [None] * (len(reqs) + 2) + [True]
         tokens, done, sizes, errors, gone = {}, set(), [], [], []
         while len(done) < len(reqs) + 1:
@@ -152,7 +158,10 @@ def test_a_frontends_channel_batches_its_requests_and_orders_its_aborts(model, o
         assert gone[-1].deltas[0].finish_reason == "abort" and sum(len(d.token_ids) for c in gone for d in c.deltas) < 5
         assert max(sizes) > 1, "a step's outputs for several requests should share a message"
         gen0 = await w._call(lambda e: e.num_generated_tokens)
-        await w.commands("fe-1", [("submit", GenerateRequest("long", tokenizer(PROMPTS[0]).input_ids, long))])
+        await w.commands("fe-1",
+                         [("submit",
+                           GenerateRequest(request_id="long", prompt_token_ids=tokenizer(PROMPTS[0]).input_ids,
+                                           params=long))])
         await sub.__anext__()
         await sub.aclose()  # the frontend went away
         for _ in range(200):
@@ -171,7 +180,8 @@ def test_closing_a_stream_aborts_the_request_and_frees_its_blocks(model):
     w = make_worker(model, "w0")
 
     async def main():
-        gen = w.generate(GenerateRequest("r", list(range(20, 60)), SamplingParams(max_tokens=200, ignore_eos=True)))
+        gen = w.generate(GenerateRequest(request_id="r", prompt_token_ids=list(range(20, 60)),
+                                         params=SamplingParams(max_tokens=200, ignore_eos=True)))
         first = await gen.__anext__()
         assert first.deltas[0].token_ids
         await gen.aclose()  # the client went away
@@ -182,7 +192,8 @@ def test_closing_a_stream_aborts_the_request_and_frees_its_blocks(model):
             await asyncio.sleep(0.01)
         assert st["num_free_blocks"] == st["num_kv_blocks"] and st["num_running"] == 0
         # an explicit abort ends the stream with finish_reason "abort"
-        gen = w.generate(GenerateRequest("r2", list(range(20, 60)), SamplingParams(max_tokens=200, ignore_eos=True)))
+        gen = w.generate(GenerateRequest(request_id="r2", prompt_token_ids=list(range(20, 60)),
+                                         params=SamplingParams(max_tokens=200, ignore_eos=True)))
         await gen.__anext__()
         assert await w.abort("r2")
         _, chunks = await collect(gen)

@@ -431,8 +431,8 @@ def test_grpc_burst_gets_resource_exhausted(server):
 
 
 def test_error_mapping_of_both_frontends():
-    from folio.deploy.grpc_server import status_of
-    from folio.deploy.openai_http import http_error
+    from folio.deploy.grpc_convert import status_of
+    from folio.deploy.openai_errors import http_error
     from folio.worker.errors import InvalidRequestError, OverloadedError, UnavailableError, WorkerFailedError
 
     cases = [(InvalidRequestError("x"), 400, grpc.StatusCode.INVALID_ARGUMENT),

@@ -117,7 +117,7 @@ def test_an_unreadable_weight_file_is_named_as_such(model_dirs, tmp_path):
         shutil.copytree(model_dirs["llama"], shut)
         os.chmod(shut, 0)
         code = ("import os, sys\n"
-                "from folio.worker.models.config import ModelConfig\n"
+                "from folio.worker.models.model_config import ModelConfig\n"
                 "from folio.worker.models.loader import load_state_dict\n"
                 "from folio.worker import ModelLoadError\n"
                 "if os.geteuid() == 0: os.setuid(65534)  # root reads anything: be nobody (imports done)\n"

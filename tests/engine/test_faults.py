@@ -13,7 +13,6 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from folio.worker import LLMEngine, EngineConfig, SamplingParams
-from folio.worker import engine as engine_module
 from folio.worker.errors import EngineFailedError
 from folio.worker.sampler import sample as real_sample
 
@@ -121,7 +120,7 @@ request = st.fixed_dictionaries({
                                                                  HealthCheck.too_slow])
 @given(reqs=st.lists(request, min_size=2, max_size=7))
 def test_poisoned_requests_fail_alone_and_the_rest_match_a_clean_run(engine, faults, monkeypatch, reqs):
-    monkeypatch.setattr(engine_module, "sample", faults.sample(real_sample))
+    monkeypatch.setattr(engine.runner, "sample", faults.sample(real_sample))
     faults.plan.clear(), faults.fired.clear(), faults.by_params.clear()
     batch, clean = [], []
     for i, r in enumerate(reqs):
@@ -179,7 +178,7 @@ def test_a_fault_no_request_explains_fails_the_engine(model_dirs, monkeypatch):
 
     def broken(*a, **kw):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
-    monkeypatch.setattr(e.model, "forward", broken)
+    monkeypatch.setattr(e.runner.model, "forward", broken)
     with pytest.raises(EngineFailedError, match="illegal memory access"):
         e.step()
 
@@ -209,23 +208,26 @@ def test_worker_fails_the_blamed_request_only_and_an_engine_fault_fails_the_work
     async def main():
         bad = SamplingParams(**greedy)
         bad.logprobs = 10 ** 4
-        got = await asyncio.gather(collect(GenerateRequest("bad", [1, 2, 3], bad)),
-                                   collect(GenerateRequest("g", [5, 6, 7], SamplingParams(**greedy))),
+        got = await asyncio.gather(collect(GenerateRequest(request_id="bad", prompt_token_ids=[1, 2, 3], params=bad)),
+                                   collect(GenerateRequest(request_id="g", prompt_token_ids=[5, 6, 7],
+                                                           params=SamplingParams(**greedy))),
                                    return_exceptions=True)
         assert isinstance(got[0], RequestFailedError) and "bad" in str(got[0]), got[0]
         assert got[1] == ref and w.failed is None
-        assert await collect(GenerateRequest("g2", [5, 6, 7], SamplingParams(**greedy))) == ref
+        assert await collect(GenerateRequest(request_id="g2", prompt_token_ids=[5, 6, 7],
+                                             params=SamplingParams(**greedy))) == ref
         st = await w.stats()
         assert st["num_streams"] == 0 and st["num_free_blocks"] == st["num_kv_blocks"]
 
         def broken(*a, **kw):
             raise RuntimeError("device lost")
-        monkeypatch.setattr(w.engine.model, "forward", broken)
-        got = await asyncio.gather(*(collect(GenerateRequest(f"x{i}", [5, 6, 7 + i], SamplingParams(**greedy)))
+        monkeypatch.setattr(w.engine.runner.model, "forward", broken)
+        got = await asyncio.gather(*(collect(GenerateRequest(request_id=f"x{i}", prompt_token_ids=[5, 6, 7 + i],
+                                                             params=SamplingParams(**greedy)))
                                      for i in range(2)), return_exceptions=True)
         assert all(isinstance(e, WorkerFailedError) and "device lost" in str(e) for e in got), got
         with pytest.raises(UnavailableError, match="failed"):
-            await collect(GenerateRequest("late", [1, 2], SamplingParams(**greedy)))
+            await collect(GenerateRequest(request_id="late", prompt_token_ids=[1, 2], params=SamplingParams(**greedy)))
     try:
         asyncio.run(main())
     finally:
@@ -241,10 +243,11 @@ cfg = EngineConfig(model=sys.argv[1], block_size=8, num_kv_blocks=16, max_model_
 w = EngineWorker("w", functools.partial(LLMEngine, cfg), None, exit_on_failure_s=0.2)
 def broken(*a, **kw):
     raise RuntimeError("device lost")
-w.engine.model.forward = broken
+w.engine.runner.model.forward = broken
 async def main():
     try:
-        async for _ in w.generate(GenerateRequest("r", [1, 2, 3], SamplingParams(max_tokens=4))):
+        async for _ in w.generate(GenerateRequest(request_id="r", prompt_token_ids=[1, 2, 3],
+                                                  params=SamplingParams(max_tokens=4))):
             pass
     except Exception as e:
         print("stream error:", type(e).__name__, flush=True)

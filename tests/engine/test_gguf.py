@@ -12,7 +12,7 @@ import torch
 from folio.worker import LLM, SamplingParams
 from folio.worker.errors import ModelLoadError
 from folio.worker.models import gguf_loader
-from folio.worker.models.config import ModelConfig
+from folio.worker.models.model_config import ModelConfig
 from conftest import MIN_REFERENCE_MARGIN, SMOLLM2
 
 gguf = pytest.importorskip("gguf")
@@ -258,7 +258,8 @@ def test_smollm2_request_migrates_between_two_workers(smollm2_hf, tmp_path):
         ids = smollm2_hf[0](PLAIN[0]).input_ids
 
         async def main():
-            req = GenerateRequest("m", ids, SamplingParams(max_tokens=n_tokens, temperature=0.0))
+            req = GenerateRequest(request_id="m", prompt_token_ids=ids,
+                                  params=SamplingParams(max_tokens=n_tokens, temperature=0.0))
             tokens, by, moved = [], [], False
             async for chunk in Router(state=None, client=client).generate(req, worker_id="a"):
                 tokens += chunk.deltas[0].token_ids
@@ -356,15 +357,16 @@ def test_folio_serve_tokenizer(model_dirs, tmp_path, capsys):
     cwd = os.getcwd()
     os.chdir(os.path.dirname(src))  # a relative --tokenizer reaches the other processes as an absolute path
     try:
-        from folio.deploy.serve import cluster_config
+        from folio.deploy.commands.serve import cluster_config
 
         cfg = cluster_config(build_parser().parse_args(["serve", "--model", path, "--tokenizer",
                                                         os.path.basename(src)]))
     finally:
         os.chdir(cwd)
-    assert cfg.engine["tokenizer"] == src and EngineConfig(model=path, **cfg.engine).tokenizer == src
+    assert cfg.engine_args["tokenizer"] == src and EngineConfig(model=path, **cfg.engine_args).tokenizer == src
     want = load_tokenizer(src)("x = 1\n").input_ids
-    frontend = Frontend(FrontendConfig(model=path, tokenizer=cfg.engine["tokenizer"], redis_url="redis://127.0.0.1:9/0"))
+    frontend = Frontend(FrontendConfig(model=path, tokenizer=cfg.engine_args["tokenizer"],
+                                       redis_url="redis://127.0.0.1:9/0"))
     assert asyncio.run(frontend.text_ids("x = 1\n")) == want
     assert main(["serve", "--model", path, "--tokenizer", str(tmp_path / "nowhere"), "--http-port", "0"]) == 2
     assert "does not exist" in capsys.readouterr().err

@@ -61,8 +61,10 @@ async def _requests(w: EngineWorker, n: int, seed: int) -> None:
 
     async def one(i):
         async with sem:
-            req = GenerateRequest(f"r{seed}-{i}", [rng.randrange(3, 500) for _ in range(rng.randint(2, 30))],
-                                  SamplingParams(max_tokens=rng.randint(2, 12), temperature=0.0, ignore_eos=True))
+            prompt = [rng.randrange(3, 500) for _ in range(rng.randint(2, 30))]
+            req = GenerateRequest(request_id=f"r{seed}-{i}", prompt_token_ids=prompt,
+                                  params=SamplingParams(max_tokens=rng.randint(2, 12), temperature=0.0,
+                                                        ignore_eos=True))
             gen = w.generate(req)
             if i % 3 == 2:
                 task = asyncio.ensure_future(_read(gen))

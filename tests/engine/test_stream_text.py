@@ -35,7 +35,9 @@ def _stream(tokenizer, prompt_ids, tokens, params, cuts):
     for a, b in zip(bounds, bounds[1:]):
         n += b - a
         last = b == len(tokens)
-        chunk = StreamChunk("r", "w", [CompletionDelta(0, tokens[a:b], "", n, "length" if last else None)], last)
+        chunk = StreamChunk(request_id="r", worker_id="w",
+                            deltas=[CompletionDelta(index=0, token_ids=tokens[a:b], text="", num_tokens=n,
+                                                    finish_reason="length" if last else None)], finished=last)
         out = text.apply(chunk)
         for d in out.deltas:
             got_text += d.text
@@ -72,5 +74,7 @@ def test_no_stop_strings_pass_text_through_and_no_detokenization_passes_through(
     assert _stream(llm.engine.tokenizer, prompt_ids, tokens, params, [3, 7])[:3] == (full, tokens, "length")
     raw = SamplingParams(max_tokens=MAX, temperature=0.0, stop=["x"], detokenize=False)
     assert worker_params(raw) is raw and not worker_params(params).detokenize
-    chunk = StreamChunk("r", "w", [CompletionDelta(0, tokens, "", len(tokens), "length")], True)
+    chunk = StreamChunk(request_id="r", worker_id="w",
+                        deltas=[CompletionDelta(index=0, token_ids=tokens, text="", num_tokens=len(tokens),
+                                                finish_reason="length")], finished=True)
     assert StreamText(llm.engine.tokenizer, prompt_ids, raw).apply(chunk) is chunk

@@ -1,4 +1,4 @@
-"""A simulated cluster in one process: N simulated GPU workers (worker/sim_engine.py)
+"""A simulated cluster in one process: N simulated GPU workers (runner.py: simulated_engine)
 with the real worker actor code, a real Redis, the real router and coordinator.
 
 No Ray: the workers are in-process EngineWorker objects reached through
@@ -16,8 +16,8 @@ from folio.cluster.router import Router
 from folio.cluster.state import ClusterState, WorkerPublisher
 from folio.cluster.worker_client import LocalWorkerClient
 from folio.worker.actor import EngineWorker
-from folio.worker.roofline import Roofline
-from folio.worker.sim_engine import SimulatedEngine
+from folio.cluster.sim.roofline import Roofline
+from folio.cluster.sim.runner import simulated_engine
 
 
 class SimCluster:
@@ -47,7 +47,7 @@ class SimCluster:
             self.redis_url = self.redis.url
         for i in range(self.num_workers):
             wid = f"sim{i}"
-            factory = functools.partial(SimulatedEngine, self.roofline, time_scale=self.time_scale, **self.engine)
+            factory = functools.partial(simulated_engine, self.roofline, time_scale=self.time_scale, **self.engine)
             self.workers[wid] = EngineWorker(wid, factory, functools.partial(WorkerPublisher, self.redis_url,
                                                                              self.namespace), self.heartbeat_s)
         state = ClusterState(self.redis_url, self.namespace)

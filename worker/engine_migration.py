@@ -1,4 +1,5 @@
-"""Moving a request between engines: export its whole state, import it elsewhere.
+"""Part of LLMEngine (engine.py): moving a request between engines, export its whole
+state, import it elsewhere.
 
 The state crosses processes (the Ray object store) as plain values plus CPU
 tensors: the tokens, sampling parameters and RNG state of every completion, the
@@ -16,39 +17,44 @@ import torch
 
 from folio.worker.block_manager import cdiv
 from folio.worker.errors import InvalidRequestError
+from folio.worker.messages import FinishReason
 from folio.worker.sampling_params import SamplingParams
 from folio.worker.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SequenceState:
+    """One completion of an exported request."""
+
     index: int  # which of the n completions
     token_ids: list[int]  # prompt + output
-    num_computed_tokens: int  # tokens whose KV is in `kv`
-    output_text: str
-    logprobs: list[dict[int, float]] | None
-    finish_reason: str | None  # set for a completion that already finished
-    stop_reason: int | str | None
+    num_computed_tokens: int  # tokens whose KV is in `kv` (0: it recomputes)
+    output_text: str  # detokenized so far ("" without detokenization)
+    logprobs: list[dict[int, float]] | None  # per output token, when asked
+    finish_reason: FinishReason | None  # set for a completion that already finished
+    stop_reason: int | str | None  # the stop token or string that ended it
     rng_state: torch.Tensor | None  # torch.Generator state (None for greedy)
     sent_tokens: int  # output tokens already streamed to the client
-    sent_text_len: int
-    kv: torch.Tensor | None  # [num_blocks, layers, 2, block_size, kv_heads, head_dim] on CPU
+    sent_text_len: int  # characters of output_text already streamed
+    kv: torch.Tensor | None  # [num_blocks, layers, 2, block_size, kv_heads, head_dim] on CPU (Runner.read_blocks)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RequestState:
+    """A request exported by one engine for another (EngineCore.export_request / import_request)."""
+
     request_id: str
-    prompt: str | None
+    prompt: str | None  # its text, if it came as text
     prompt_token_ids: list[int]
     params: SamplingParams
-    priority: int
-    arrival_time: float
+    priority: int  # lower runs first
+    arrival_time: float  # monotonic, on the exporting host (the worker converts it on the wire)
     forked: bool  # the n completions exist (the prompt's prefill completed)
-    output_kind: str
-    block_size: int
-    seqs: list[SequenceState] = field(default_factory=list)
+    output_kind: str  # how its outputs are reported (outputs.OUTPUT_KINDS)
+    block_size: int  # the exporter's: KV moves only between engines of the same
+    seqs: list[SequenceState] = field(default_factory=list)  # one per completion (one before the fork)
     prompt_logprobs: list | None = None  # those computed so far (SequenceGroup.prompt_logprobs)
-    prompt_logprobs_sent: bool = False
+    prompt_logprobs_sent: bool = False  # already streamed to the client
 
     @property
     def kv_bytes(self) -> int:
@@ -66,23 +72,24 @@ def export_request(engine, request_id: str) -> RequestState:
         data = None
         if not seq.is_finished and seq.num_computed_tokens > 0:
             n = cdiv(seq.num_computed_tokens, B)
-            if seq.status is SequenceStatus.SWAPPED:
-                src, blocks = runner.host_blocks, kv.swap.tables[seq.seq_id][:n]
-            else:
-                src, blocks = runner.kv_blocks, kv.block_table(seq)[:n]
-            data = src.index_select(0, torch.tensor(blocks, dtype=torch.long, device=src.device)).cpu()
+            swapped = seq.status is SequenceStatus.SWAPPED
+            blocks = kv.host_block_table(seq) if swapped else kv.block_table(seq)
+            data = runner.read_blocks(blocks[:n], on_host=swapped)
         seqs.append(SequenceState(
-            seq.index, list(seq.token_ids), seq.num_computed_tokens if data is not None else 0, seq.output_text,
-            list(seq.logprobs) if seq.logprobs is not None else None, seq.finish_reason, seq.stop_reason,
-            seq.generator.get_state() if seq.generator is not None else None, seq.sent_tokens,
-            seq.sent_text_len, data))
-    state = RequestState(request_id, group.prompt, list(group.prompt_token_ids), group.params, group.priority,
-                         group.arrival_time, group.forked, engine.output_kinds.get(request_id, "final"), B, seqs,
-                         list(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
-                         group.prompt_logprobs_sent)
+            index=seq.index, token_ids=list(seq.token_ids),
+            num_computed_tokens=seq.num_computed_tokens if data is not None else 0, output_text=seq.output_text,
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None, finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason, rng_state=seq.generator.get_state() if seq.generator is not None else None,
+            sent_tokens=seq.sent_tokens, sent_text_len=seq.sent_text_len, kv=data))
+    state = RequestState(request_id=request_id, prompt=group.prompt, prompt_token_ids=list(group.prompt_token_ids),
+                         params=group.params, priority=group.priority, arrival_time=group.arrival_time,
+                         forked=group.forked, output_kind=engine.output_kinds.get(request_id, "final"), block_size=B,
+                         seqs=seqs,
+                         prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
+                         prompt_logprobs_sent=group.prompt_logprobs_sent)
     for seq in group.seqs:
         if not seq.is_finished:
-            engine.scheduler.finish(seq, "migrated")
+            engine.scheduler.finish(seq, FinishReason.MIGRATED)
     engine.groups.pop(request_id)
     engine.output_kinds.pop(request_id, None)
     return state
@@ -101,7 +108,7 @@ def import_request(engine, state: RequestState) -> str:
     max_len = min(len(state.prompt_token_ids) + state.params.max_tokens, engine.max_model_len)
     if longest >= engine.max_model_len or engine.kv.max_blocks_per_seq(max_len) > engine.num_kv_blocks:
         raise InvalidRequestError(f"request {rid!r} cannot fit in this engine's KV cache")
-    shape = tuple(engine.runner.kv_blocks.shape[1:])
+    shape = tuple(engine.runner.block_shape)
     for s in state.seqs:
         if s.kv is not None and (s.kv.dim() != 6 or tuple(s.kv.shape[1:]) != shape):
             raise InvalidRequestError(f"KV of shape {tuple(s.kv.shape)} does not fit this model's cache {shape}")
@@ -130,14 +137,11 @@ def import_request(engine, state: RequestState) -> str:
         if seq.finish_reason is not None:
             seq.status = SequenceStatus.FINISHED
             continue
-        host = None
-        if s.kv is not None and hasattr(engine.kv, "swap"):
-            host = engine.kv.swap.adopt(seq.seq_id, s.kv.shape[0])
+        host = engine.kv.adopt_swapped(seq, s.kv.shape[0]) if s.kv is not None else None
         if host is None:  # no swap space here (or no KV yet): recompute from the tokens
             engine.scheduler.requeue(seq)
             continue
-        engine.runner.host_blocks.index_copy_(0, torch.tensor(host, dtype=torch.long),
-                                              s.kv.to(engine.runner.host_blocks.dtype))
+        engine.runner.write_host_blocks(host, s.kv)
         seq.num_computed_tokens = s.num_computed_tokens
         engine.scheduler.add_swapped(seq)
     return rid

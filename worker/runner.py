@@ -1,0 +1,98 @@
+"""What LLMEngine steps with: a Runner, and the loader of the real one.
+
+The engine owns the requests, the scheduler and the block manager; a runner owns what
+runs a step on a device: the model and its KV tensors (model_runner.ModelRunner, made
+by `load_runner` from a checkpoint) or a clock that only simulates them
+(cluster/sim/runner.py's RooflineRunner). Either way the engine's code is the same:
+
+    engine = LLMEngine(config)                                  # load_runner(config)
+    engine = LLMEngine(config, runner=RooflineRunner(...))      # the simulation
+
+A runner is driven by the engine's step thread alone, in this order per step:
+swap -> copy_blocks -> run -> sample. `run` and `sample` may be called again on parts of
+a batch after a fault (fault_isolation.py): they keep nothing until they return.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from folio.worker.sizing import EngineSizes
+
+if TYPE_CHECKING:
+    import torch
+
+    from folio.worker.block_manager import KVCacheManager
+    from folio.worker.config import EngineConfig
+    from folio.worker.model_runner import ModelRunner
+    from folio.worker.sampler import SampleResult
+    from folio.worker.sampling_params import SamplingParams
+    from folio.worker.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the engine knows of the model a runner runs."""
+
+    vocab_size: int  # token ids are in [0, vocab_size)
+    sizes: EngineSizes  # context length, token budget, device and host KV blocks
+    eos_token_ids: frozenset[int]  # the checkpoint's (config, generation config, tokenizer)
+    tokenizer: Any = None  # a Hugging Face tokenizer; None: prompts are token ids, outputs carry no text
+
+
+class Runner(Protocol):
+    info: ModelInfo
+    block_shape: tuple[int, ...]  # one KV block's shape: [layers, k|v, block_size, kv_heads, head_dim]
+
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> int:
+        """Copy (device, host) block pairs out, then (host, device) pairs in; bytes moved."""
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: (source, destination) device blocks."""
+
+    def run(self, scheduled: list[tuple[Sequence, int]], kv: KVCacheManager
+            ) -> tuple[list[Sequence], torch.Tensor | None]:
+        """The forward of `scheduled` ((sequence, new tokens) each): the sequences that sample
+        and their logits rows, or None when none samples. Writes those tokens' KV."""
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list,
+               seqs: list[Sequence], eos_token_ids, grammars) -> SampleResult:
+        """One token (and its logprobs, when asked) per row of `logits`."""
+
+    def healthy(self) -> bool:
+        """A probe forward that writes no KV: False when the device or the model is broken."""
+
+    def read_blocks(self, blocks: list[int], on_host: bool) -> torch.Tensor:
+        """A copy on the CPU of device (or swap-space) blocks: [len(blocks), *block_shape]."""
+
+    def write_host_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
+        """Write `data` ([len(blocks), *block_shape]) into swap-space blocks."""
+
+
+def load_runner(config: EngineConfig) -> ModelRunner:
+    """The checkpoint of `config.model` on `config.device`: its weights, a KV cache sized by
+    size_engine, its tokenizer and EOS ids. Every inconsistency is a ConfigError or a
+    ModelLoadError, raised before the weights load where it can be."""
+    import torch
+
+    from folio.worker.detokenizer import load_tokenizer
+    from folio.worker.model_runner import ModelRunner
+    from folio.worker.models.model_config import ModelConfig, generation_eos_ids
+    from folio.worker.models.loader import load_model
+    from folio.worker.sizing import size_engine
+
+    mc = ModelConfig.from_dir(config.model)
+    sizes = size_engine(config, mc)
+    device, dtype = torch.device(config.device), config.torch_dtype
+    model = load_model(config.model, dtype, device, sizes.max_model_len, mc)
+    tokenizer = load_tokenizer(config.tokenizer)
+    eos = set(mc.eos_token_ids) | generation_eos_ids(config.model)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    info = ModelInfo(mc.vocab_size, sizes, frozenset(eos), tokenizer)
+    runner = ModelRunner(model, sizes.num_kv_blocks, config.block_size, dtype, device, sizes.num_cpu_blocks,
+                         layout=config.kv_cache_layout, info=info)
+    if config.warm_up:  # memory flat from here on
+        runner.warm_up(sizes.max_num_batched_tokens, config.max_num_seqs)
+    return runner
