@@ -69,7 +69,10 @@ class ClusterConfig:
             raise ConfigError("num_workers must be >= 1")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ConfigError(f"torch_threads must be >= 1, got {self.torch_threads}")
-        EngineConfig(model=self.model, **self.engine_args)  # checks the engine fields up front
+        engine_config = EngineConfig(model=self.model, **self.engine_args)  # checks the engine fields up front
+        if engine_config.tensor_parallel_size > 1:  # its ranks need a placement group of N GPUs per worker
+            raise ConfigError("tensor_parallel_size > 1 runs in the offline LLM only for now; a cluster's "
+                              "workers are one device each")
         ModelConfig.from_dir(self.model)  # and that the checkpoint is there (ModelLoadError)
 
 

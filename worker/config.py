@@ -66,6 +66,8 @@ class EngineConfig:
     watermark: float = _opt(0.01, "fraction of blocks kept free when admitting (anti-thrash)")
     seed: int = _opt(0, "the sampling seed of requests that carry none")
     tokenizer: str | None = _opt(None, "the tokenizer's directory (default: the model's own)")
+    tensor_parallel_size: int = _opt(1, "ranks (processes, one device each) the model is sharded over "
+                                        "(worker/tensor_parallel.py)")
     warm_up: bool = _opt(False, "build the linear kernels' per-shape state for every batch size at load "
                                 "(kernels/linear.py): a server's memory stays flat under any batch mix; costs seconds")
 
@@ -73,6 +75,8 @@ class EngineConfig:
         for f in fields(self):
             if f.metadata.get("choices"):
                 check_choice(f.name, getattr(self, f.name), f.metadata["choices"])
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
         if self.swap_space_gb < 0 or (self.num_cpu_blocks is not None and self.num_cpu_blocks < 0):

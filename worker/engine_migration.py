@@ -52,6 +52,7 @@ class RequestState:
     forked: bool  # the n completions exist (the prompt's prefill completed)
     output_kind: str  # how its outputs are reported (outputs.OUTPUT_KINDS)
     block_size: int  # the exporter's: KV moves only between engines of the same
+    tensor_parallel_size: int = 1  # the exporter's ranks: `kv` holds every rank's heads, rank after rank
     seqs: list[SequenceState] = field(default_factory=list)  # one per completion (one before the fork)
     prompt_logprobs: list | None = None  # those computed so far (SequenceGroup.prompt_logprobs)
     prompt_logprobs_sent: bool = False  # already streamed to the client
@@ -84,7 +85,7 @@ def export_request(engine, request_id: str) -> RequestState:
     state = RequestState(request_id=request_id, prompt=group.prompt, prompt_token_ids=list(group.prompt_token_ids),
                          params=group.params, priority=group.priority, arrival_time=group.arrival_time,
                          forked=group.forked, output_kind=engine.output_kinds.get(request_id, "final"), block_size=B,
-                         seqs=seqs,
+                         tensor_parallel_size=engine.config.tensor_parallel_size, seqs=seqs,
                          prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
                          prompt_logprobs_sent=group.prompt_logprobs_sent)
     for seq in group.seqs:
@@ -104,6 +105,10 @@ def import_request(engine, state: RequestState) -> str:
     if state.block_size != engine.config.block_size:
         raise InvalidRequestError(f"block size {state.block_size} differs from this engine's "
                                   f"{engine.config.block_size}")
+    if state.tensor_parallel_size != engine.config.tensor_parallel_size:
+        raise InvalidRequestError(f"request {rid!r} was exported by a tensor-parallel group of "
+                                  f"{state.tensor_parallel_size} ranks; this engine has "
+                                  f"{engine.config.tensor_parallel_size}: its KV does not fit")
     longest = max(len(s.token_ids) for s in state.seqs)
     max_len = min(len(state.prompt_token_ids) + state.params.max_tokens, engine.max_model_len)
     if longest >= engine.max_model_len or engine.kv.max_blocks_per_seq(max_len) > engine.num_kv_blocks:

@@ -39,6 +39,14 @@ class ModelInputs:
     prompt_rows: list = field(default_factory=list)
 
 
+def step_tensors(inputs: ModelInputs) -> dict[str, torch.Tensor]:
+    """What a tensor-parallel follower needs of a step's inputs (on the CPU, for the broadcast)."""
+    m = inputs.meta
+    return {"input_ids": inputs.input_ids.cpu(), "positions": inputs.positions.cpu(),
+            "slot_mapping": m.slot_mapping.cpu(), "block_tables": m.block_tables.cpu(), "seq_lens": m.seq_lens.cpu(),
+            "query_start_loc": m.query_start_loc.cpu()}
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, num_cpu_blocks: int = 0, layout: str = "block_major",
@@ -58,10 +66,12 @@ class ModelRunner:
         # 59-78 % of a plain copy of the same bytes, layer_major at 43-74 % (preemption.py). Its
         # cost is on CPU only: a layer's blocks are strided, so attention's gathers of in-order
         # blocks lose the prefetcher's sequential streams (decode 4 % slower at block size 16).
+        kv_heads = model.num_kv_heads  # this rank's, under tensor parallelism
+
         def cache(n: int, **kw) -> torch.Tensor:
             if layout == "block_major":
-                return torch.zeros(n, c.num_layers, 2, block_size, c.num_kv_heads, c.head_dim, dtype=dtype, **kw)
-            return torch.zeros(c.num_layers, 2, n, block_size, c.num_kv_heads, c.head_dim, dtype=dtype,
+                return torch.zeros(n, c.num_layers, 2, block_size, kv_heads, c.head_dim, dtype=dtype, **kw)
+            return torch.zeros(c.num_layers, 2, n, block_size, kv_heads, c.head_dim, dtype=dtype,
                                **kw).permute(2, 0, 1, 3, 4, 5)
 
         self.kv_blocks = cache(num_blocks, device=device)  # [blocks, layers, k|v, block_size, kv_heads, head_dim]
@@ -71,10 +81,13 @@ class ModelRunner:
         # faults, swap-outs ran at 15-34 % of a plain copy instead of 29-48 % (preemption.py).
         self.host_blocks = cache(num_cpu_blocks, pin_memory=device.type == "cuda")
         self.bytes_per_block = self.kv_blocks[0].numel() * self.kv_blocks.element_size()
-        self.block_shape = tuple(self.kv_blocks.shape[1:])
         # per-block views for swap_blocks, made once (slicing them per swap cost more than the copy
         # setup itself); built when the first swap needs them
         self._block_views: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        return tuple(self.kv_blocks.shape[1:])
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> int:
         """Run a step's swaps, all blocks and layers in one call per direction (outs first).
@@ -186,18 +199,40 @@ class ModelRunner:
                            prompt_rows)
 
     def execute(self, inputs: ModelInputs) -> torch.Tensor | None:
-        """Run the model; logits [len(sample_rows), vocab] in float32, or None if nothing samples."""
+        """Run the model; logits [len(sample_rows), vocab] in float32, or None if nothing samples.
+        The LM-head calls are those of logit_batches(inputs), in its order."""
         hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+        batches = iter(self.logit_batches(inputs))
         if inputs.prompt_rows:
-            self._prompt_logprobs(hidden, inputs.prompt_rows)
+            self._prompt_logprobs(hidden, inputs.prompt_rows, batches)
         if not inputs.sample_rows:
             return None
-        idx = torch.tensor(inputs.sample_rows, dtype=torch.long, device=self.device)
+        return self._logits(hidden, next(batches))
+
+    def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, idx)).float()
 
     PROMPT_LOGITS_ROWS = 256  # prompt positions per LM-head call (bounds the [rows, vocab] logits)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, prompt_rows: list) -> None:
+    def logit_batches(self, inputs: ModelInputs) -> list[list[int]]:
+        """The hidden rows of each LM-head call a step makes, in order: prompt logprobs'
+        chunks, then the sampled rows (a tensor-parallel follower replays the same calls)."""
+        out = [list(rows[a: a + self.PROMPT_LOGITS_ROWS]) for _, _, rows in inputs.prompt_rows
+               for a in range(0, len(rows), self.PROMPT_LOGITS_ROWS)]
+        return out + [inputs.sample_rows] if inputs.sample_rows else out
+
+    def replay(self, tensors: dict, batches: list[list[int]]) -> None:
+        """A tensor-parallel follower's step: rank 0's inputs (step_tensors) on this rank's shard."""
+        meta = AttentionMetadata(slot_mapping=tensors["slot_mapping"], block_tables=tensors["block_tables"],
+                                 seq_lens=tensors["seq_lens"], query_start_loc=tensors["query_start_loc"])
+        meta.plan = self.model.ops.plan_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                                  self.block_size, kernels.kv_bytes_per_token(self.kv_caches[0][0]))
+        hidden = self.model.forward(tensors["input_ids"], tensors["positions"], meta, self.kv_caches)
+        for rows in batches:
+            self._logits(hidden, rows)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, prompt_rows: list, batches) -> None:
         """Each requested prompt token's logprob and the top-k, appended to its request's list
         (only positions it has none for yet: a forward run again after a fault or a recompute
         adds nothing twice)."""
@@ -207,8 +242,8 @@ class ModelRunner:
             targets = group.prompt_token_ids[first : first + len(rows)]
             out: list[dict[int, float]] = []
             for a in range(0, len(rows), self.PROMPT_LOGITS_ROWS):
-                idx = torch.tensor(rows[a : a + self.PROMPT_LOGITS_ROWS], dtype=torch.long, device=self.device)
-                lp = torch.log_softmax(self.model.compute_logits(hidden.index_select(0, idx)).float(), dim=-1)
+                idx = next(batches)
+                lp = torch.log_softmax(self._logits(hidden, idx), dim=-1)
                 tgt = torch.tensor(targets[a : a + len(idx)], dtype=torch.long, device=self.device)
                 chosen = lp.gather(1, tgt[:, None])[:, 0].tolist()
                 top = lp.topk(k, dim=-1) if k else None

@@ -72,27 +72,69 @@ class Runner(Protocol):
 
 def load_runner(config: EngineConfig) -> ModelRunner:
     """The checkpoint of `config.model` on `config.device`: its weights, a KV cache sized by
-    size_engine, its tokenizer and EOS ids. Every inconsistency is a ConfigError or a
-    ModelLoadError, raised before the weights load where it can be."""
+    size_engine, its tokenizer and EOS ids; with tensor_parallel_size N > 1, rank 0's shard
+    and N - 1 follower processes holding the others (tp_runner.py). Every inconsistency is a
+    ConfigError or a ModelLoadError, raised before the weights load where it can be."""
+    if config.tensor_parallel_size == 1:
+        return load_shard(config)[0]
+    import torch
+
+    from folio.worker.tp_runner import free_port, start_followers
+
+    port = free_port()
+    shard_config(config, 0)  # a ConfigError before any process starts
+    procs = start_followers(config, port, max(torch.get_num_threads() // config.tensor_parallel_size, 1))
+    try:
+        runner, _ = load_shard(config, 0, port, procs)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
+    return runner
+
+
+def shard_config(config: EngineConfig, rank: int):
+    from folio.worker.models.model_config import ModelConfig
+    from folio.worker.tensor_parallel import Shards
+
+    mc = ModelConfig.from_dir(config.model)
+    return mc, Shards.of(rank, config.tensor_parallel_size, mc.num_heads, mc.num_kv_heads, mc.intermediate_size,
+                         mc.vocab_size)
+
+
+def load_shard(config: EngineConfig, rank: int = 0, port: int | None = None, followers: list = ()):
+    """(rank `rank`'s runner, its group): the whole model when tensor_parallel_size is 1."""
     import torch
 
     from folio.worker.detokenizer import load_tokenizer
     from folio.worker.model_runner import ModelRunner
-    from folio.worker.models.model_config import ModelConfig, generation_eos_ids
+    from folio.worker.models.model_config import generation_eos_ids
     from folio.worker.models.loader import load_model
     from folio.worker.sizing import size_engine
+    from folio.worker.tensor_parallel import Group
 
-    mc = ModelConfig.from_dir(config.model)
+    mc, shards = shard_config(config, rank)
     sizes = size_engine(config, mc)
     device, dtype = torch.device(config.device), config.torch_dtype
-    model = load_model(config.model, dtype, device, sizes.max_model_len, mc)
+    if device.type == "cuda" and shards.size > 1:  # rank r on the r-th device from config.device's
+        device = torch.device("cuda", (device.index or 0) + rank)
+    group = Group(shards) if shards.size == 1 else Group.join(shards, "127.0.0.1", port)
+    model = load_model(config.model, dtype, device, sizes.max_model_len, mc, group)
+    if rank > 0:
+        return ModelRunner(model, sizes.num_kv_blocks, config.block_size, dtype, device, sizes.num_cpu_blocks,
+                           layout=config.kv_cache_layout), group
     tokenizer = load_tokenizer(config.tokenizer)
     eos = set(mc.eos_token_ids) | generation_eos_ids(config.model)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
     info = ModelInfo(mc.vocab_size, sizes, frozenset(eos), tokenizer)
-    runner = ModelRunner(model, sizes.num_kv_blocks, config.block_size, dtype, device, sizes.num_cpu_blocks,
-                         layout=config.kv_cache_layout, info=info)
+    cls = ModelRunner
+    if shards.size > 1:
+        from folio.worker.tp_runner import TPModelRunner as cls
+    runner = cls(model, sizes.num_kv_blocks, config.block_size, dtype, device, sizes.num_cpu_blocks,
+                 layout=config.kv_cache_layout, info=info)
+    if shards.size > 1:
+        runner.attach(group, list(followers))
     if config.warm_up:  # memory flat from here on
         runner.warm_up(sizes.max_num_batched_tokens, config.max_num_seqs)
-    return runner
+    return runner, group

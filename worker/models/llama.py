@@ -1,6 +1,8 @@
 """Llama-family decoder (Llama, Mistral, Qwen2) over paged KV. Nothing but the model.
 
-Weights are fused at load time (loader.py): qkv = [q; k; v], gate_up = [gate; up].
+Weights are fused at load time (loader.py): qkv = [q; k; v], gate_up = [gate; up]. Under
+tensor parallelism (tensor_parallel.py) each rank's model holds its heads, its MLP columns
+and its vocabulary rows; `group` sums the row-parallel outputs and gathers the logits.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from folio import kernels
 from folio.kernels.linear import Linear
 from folio.worker.models.model_config import ModelConfig
 from folio.worker.models.rope import RotaryEmbedding
+from folio.worker.tensor_parallel import Group, single
 
 
 @dataclass
@@ -45,8 +48,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class LlamaModel:
     def __init__(self, config: ModelConfig, embed: torch.Tensor, layers: list[LayerWeights],
-                 norm: torch.Tensor, lm_head: Linear, max_len: int, ops: kernels.KernelOps) -> None:
+                 norm: torch.Tensor, lm_head: Linear, max_len: int, ops: kernels.KernelOps,
+                 group: Group | None = None) -> None:
         self.config = config
+        self.group = group or single(config.num_heads, config.num_kv_heads, config.intermediate_size,
+                                     config.vocab_size)
+        shards = self.group.shards
+        self.num_heads = len(shards.heads)  # this rank's
+        self.num_kv_heads = len(shards.kv_heads)
         self.ops = ops  # write_kv / paged_attention implementations (kernels.get_ops)
         self.embed = embed
         self.layers = layers
@@ -54,8 +63,8 @@ class LlamaModel:
         self.lm_head = lm_head
         self.rope = RotaryEmbedding(config.head_dim, config.rope, config.max_position_embeddings,
                                     max_len, embed.dtype, embed.device)
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
 
     @torch.inference_mode()
@@ -64,7 +73,9 @@ class LlamaModel:
         """input_ids, positions [T] -> final hidden states [T, hidden] (after the last norm)."""
         c = self.config
         eps = c.rms_norm_eps
-        h = F.embedding(input_ids, self.embed)
+        g = self.group
+        nh, nkv = self.num_heads, self.num_kv_heads
+        h = g.embed(input_ids, self.embed)
         T = h.shape[0]
         cos, sin = self.rope.cos_sin(positions)
         qk_size = self.q_size + self.kv_size
@@ -72,18 +83,18 @@ class LlamaModel:
             x = rms_norm(h, layer.input_norm, eps)
             qkv = layer.qkv(x)
             # q and k rotate together: [T, heads + kv_heads, head_dim] views of the fused output
-            qk = self.rope.rotate(qkv[:, :qk_size].view(T, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
-            q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
-            v = qkv[:, qk_size:].view(T, c.num_kv_heads, c.head_dim)
+            qk = self.rope.rotate(qkv[:, :qk_size].view(T, nh + nkv, c.head_dim), cos, sin)
+            q, k = qk.split([nh, nkv], dim=1)
+            v = qkv[:, qk_size:].view(T, nkv, c.head_dim)
             self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = self.ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                            meta.query_start_loc, self.scale, plan=meta.plan)
-            h = h + layer.o(attn.reshape(T, self.q_size))
+            h = h + g.all_reduce(layer.o(attn.reshape(T, self.q_size)))
             x = rms_norm(h, layer.post_norm, eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
+            h = h + g.all_reduce(layer.down(F.silu(gate) * up))
         return rms_norm(h, self.norm, eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return self.group.gather_vocab(self.lm_head(hidden))

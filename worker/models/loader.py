@@ -17,6 +17,7 @@ from folio.worker.errors import ModelLoadError
 from folio.worker.models import gguf_loader
 from folio.worker.models.model_config import ModelConfig, unreadable
 from folio.worker.models.llama import LayerWeights, LlamaModel
+from folio.worker.tensor_parallel import Group, single, vocab_rows
 
 
 def _weight_files(path: str) -> list[str]:
@@ -60,8 +61,10 @@ def load_state_dict(path: str) -> dict[str, torch.Tensor]:
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int,
-               config: ModelConfig | None = None) -> LlamaModel:
+               config: ModelConfig | None = None, group: Group | None = None) -> LlamaModel:
+    """The model, or under tensor parallelism `group`'s rank's shard of it (tensor_parallel.py)."""
     config = config or ModelConfig.from_dir(path)
+    group = group or single(config.num_heads, config.num_kv_heads, config.intermediate_size, config.vocab_size)
     sd = load_state_dict(path)
     used: set[str] = set()
 
@@ -79,6 +82,19 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int
     def cat(*ts: torch.Tensor | None) -> torch.Tensor | None:
         return None if ts[0] is None else torch.cat(ts, dim=0).contiguous()
 
+    sh = group.shards
+    whole = sh.size == 1
+
+    def rows(t: torch.Tensor | None, heads: range | None = None, cols: bool = False) -> torch.Tensor | None:
+        """This rank's share of `t`: the rows (or columns) of `heads` (head_dim each) or of its MLP slice."""
+        if t is None or whole:
+            return t
+        r = range(heads.start * D, heads.stop * D) if heads is not None else sh.intermediate
+        return (t[:, r.start: r.stop] if cols else t[r.start: r.stop]).contiguous()
+
+    def row_bias(t: torch.Tensor | None) -> torch.Tensor | None:
+        return t if sh.rank == 0 else None  # a row-parallel layer's bias is added once, by rank 0
+
     backend = linear_backend(device, dtype)
 
     def linear(w: torch.Tensor, b: torch.Tensor | None) -> Linear:
@@ -88,23 +104,29 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int
     H, D, I = c.hidden_size, c.head_dim, c.intermediate_size
     q_out, kv_out = c.num_heads * D, c.num_kv_heads * D
     embed = take("model.embed_tokens.weight", (c.vocab_size, H))
+    qh, kvh = sh.heads, sh.kv_heads
     layers = []
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
         layers.append(LayerWeights(
             input_norm=take(p + "input_layernorm.weight", (H,)),
-            qkv=linear(cat(take(a + "q_proj.weight", (q_out, H)), take(a + "k_proj.weight", (kv_out, H)),
-                           take(a + "v_proj.weight", (kv_out, H))),
-                       cat(take(a + "q_proj.bias", (q_out,)), take(a + "k_proj.bias", (kv_out,)),
-                           take(a + "v_proj.bias", (kv_out,))) if c.qkv_bias else None),
-            o=linear(take(a + "o_proj.weight", (H, q_out)), take(a + "o_proj.bias", (H,)) if c.o_bias else None),
+            qkv=linear(cat(rows(take(a + "q_proj.weight", (q_out, H)), qh),
+                           rows(take(a + "k_proj.weight", (kv_out, H)), kvh),
+                           rows(take(a + "v_proj.weight", (kv_out, H)), kvh)),
+                       cat(rows(take(a + "q_proj.bias", (q_out,)), qh), rows(take(a + "k_proj.bias", (kv_out,)), kvh),
+                           rows(take(a + "v_proj.bias", (kv_out,)), kvh)) if c.qkv_bias else None),
+            o=linear(rows(take(a + "o_proj.weight", (H, q_out)), qh, cols=True),
+                     row_bias(take(a + "o_proj.bias", (H,))) if c.o_bias else None),
             post_norm=take(p + "post_attention_layernorm.weight", (H,)),
-            gate_up=linear(cat(take(m + "gate_proj.weight", (I, H)), take(m + "up_proj.weight", (I, H))),
-                           cat(take(m + "gate_proj.bias", (I,)), take(m + "up_proj.bias", (I,))) if c.mlp_bias
-                           else None),
-            down=linear(take(m + "down_proj.weight", (H, I)), take(m + "down_proj.bias", (H,)) if c.mlp_bias else None),
+            gate_up=linear(cat(rows(take(m + "gate_proj.weight", (I, H))), rows(take(m + "up_proj.weight", (I, H)))),
+                           cat(rows(take(m + "gate_proj.bias", (I,))), rows(take(m + "up_proj.bias", (I,))))
+                           if c.mlp_bias else None),
+            down=linear(rows(take(m + "down_proj.weight", (H, I)), cols=True),
+                        row_bias(take(m + "down_proj.bias", (H,))) if c.mlp_bias else None),
         ))
     norm = take("model.norm.weight", (H,))
-    lm_head = linear(embed if c.tie_word_embeddings else take("lm_head.weight", (c.vocab_size, H)), None)
-    return LlamaModel(c, embed, layers, norm, lm_head, max_len, get_ops(device))
+    head = embed if c.tie_word_embeddings else take("lm_head.weight", (c.vocab_size, H))
+    if not whole:
+        embed, head = vocab_rows(embed, sh).contiguous(), vocab_rows(head, sh).contiguous()
+    return LlamaModel(c, embed, layers, norm, linear(head, None), max_len, get_ops(device), group)

@@ -1,0 +1,179 @@
+"""Tensor parallelism (Megatron-style): one model over N processes, one device each.
+
+    ranks:     0 (the engine: scheduler, block manager, sampling) ... N-1 (followers)
+    sharding:  attention heads and KV heads split across ranks; qkv and gate_up by output rows
+               (column-parallel), o and down by input columns (row-parallel: one all-reduce each);
+               the embedding and the LM head by vocabulary rows (vocab-parallel: an all-reduce,
+               and an all-gather of the logits)
+
+A model whose KV heads are fewer than the ranks replicates them (as vLLM does): rank r holds
+KV head r // (N / num_kv_heads). Vocabulary shards are ceil(V / N) rows, the last one padded
+with zero rows, so the gathered logits are trimmed back to V.
+
+The group is torch.distributed: gloo on CPU (so the whole path runs and is tested here),
+NCCL on CUDA. The row-parallel sums add the ranks' partial products in another order than
+one device does: outputs equal a single device's up to rounding (near-ties may flip).
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from folio.worker.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Shards:
+    """What rank `rank` of `size` holds of a model's heads, MLP and vocabulary."""
+
+    rank: int
+    size: int
+    num_heads: int  # the model's
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, rank: int, size: int, num_heads: int, num_kv_heads: int, intermediate_size: int,
+           vocab_size: int) -> "Shards":
+        if size < 1 or not 0 <= rank < size:
+            raise ConfigError(f"tensor-parallel rank {rank} of {size}")
+        if num_heads % size:
+            raise ConfigError(f"tensor_parallel_size={size} must divide the model's {num_heads} attention heads")
+        if (num_kv_heads % size if num_kv_heads >= size else size % num_kv_heads):
+            raise ConfigError(f"tensor_parallel_size={size} and the model's {num_kv_heads} KV heads: one must "
+                              "divide the other")
+        if intermediate_size % size:
+            raise ConfigError(f"tensor_parallel_size={size} must divide the model's intermediate size "
+                              f"{intermediate_size}")
+        return cls(rank, size, num_heads, num_kv_heads, intermediate_size, vocab_size)
+
+    @property
+    def heads(self) -> range:
+        n = self.num_heads // self.size
+        return range(self.rank * n, (self.rank + 1) * n)
+
+    @property
+    def kv_heads(self) -> range:
+        if self.num_kv_heads >= self.size:
+            n = self.num_kv_heads // self.size
+            return range(self.rank * n, (self.rank + 1) * n)
+        h = self.rank // (self.size // self.num_kv_heads)  # replicated
+        return range(h, h + 1)
+
+    @property
+    def intermediate(self) -> range:
+        n = self.intermediate_size // self.size
+        return range(self.rank * n, (self.rank + 1) * n)
+
+    @property
+    def vocab_shard_size(self) -> int:
+        return -(-self.vocab_size // self.size)
+
+    @property
+    def vocab(self) -> range:
+        n = self.vocab_shard_size
+        return range(min(self.rank * n, self.vocab_size), min((self.rank + 1) * n, self.vocab_size))
+
+
+def head_rows(w: torch.Tensor, heads: range, head_dim: int) -> torch.Tensor:
+    """The rows (dim 0) of `w` that belong to `heads` (each head_dim rows)."""
+    return w[heads.start * head_dim: heads.stop * head_dim]
+
+
+def vocab_rows(w: torch.Tensor, shards: Shards) -> torch.Tensor:
+    """This rank's vocabulary rows of an embedding / LM head weight, zero-padded to the shard size."""
+    part = w[shards.vocab.start: shards.vocab.stop]
+    pad = shards.vocab_shard_size - part.shape[0]
+    return torch.cat([part, part.new_zeros(pad, *part.shape[1:])]) if pad else part
+
+
+class Group:
+    """The collectives of one tensor-parallel group: a process group of its own (not
+    torch.distributed's global one, so one process may hold several engines), rendezvous
+    through a TCPStore that rank 0 hosts. `pg` None: one rank, every collective a no-op."""
+
+    def __init__(self, shards: Shards, pg=None) -> None:
+        self.shards = shards
+        self.pg = pg
+        self.collective_seconds = 0.0  # this rank's wall time in the model's all-reduces and all-gathers
+
+    @classmethod
+    def join(cls, shards: Shards, host: str, port: int, timeout_s: float = 60.0) -> "Group":
+        """Rank 0 hosts the store on `port`; the others connect to it."""
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, port, shards.size, shards.rank == 0, timeout=timeout)
+        pg = dist.ProcessGroupGloo(store, shards.rank, shards.size, timeout)
+        g = cls(shards, pg)
+        g.store = store  # kept alive as long as the group
+        return g
+
+    @property
+    def size(self) -> int:
+        return self.shards.size
+
+    @property
+    def rank(self) -> int:
+        return self.shards.rank
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pg is not None:
+            t0 = time.perf_counter()
+            self.pg.allreduce([x]).wait()
+            self.collective_seconds += time.perf_counter() - t0
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.pg is None:
+            return [x]
+        t0 = time.perf_counter()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self.pg.allgather([parts], [x.contiguous()]).wait()
+        self.collective_seconds += time.perf_counter() - t0
+        return parts
+
+    def broadcast(self, obj=None):
+        """Rank 0's `obj` (pickled) on every rank."""
+        if self.pg is None:
+            return obj
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        if self.rank == 0:
+            data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+            n = torch.tensor([data.numel()], dtype=torch.long)
+        else:
+            n = torch.zeros(1, dtype=torch.long)
+        self.pg.broadcast([n], opts).wait()
+        if self.rank != 0:
+            data = torch.empty(int(n.item()), dtype=torch.uint8)
+        self.pg.broadcast([data], opts).wait()
+        return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """[rows, vocab shard] on each rank -> [rows, vocab] (all ranks)."""
+        if self.pg is None:
+            return logits
+        return torch.cat(self.all_gather(logits), dim=-1)[:, : self.shards.vocab_size]
+
+    def embed(self, input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel embedding: each rank looks up the ids in its shard, zeros elsewhere; summed."""
+        if self.pg is None:
+            return torch.nn.functional.embedding(input_ids, weight)
+        local = input_ids - self.shards.vocab.start
+        outside = (local < 0) | (local >= weight.shape[0])
+        h = torch.nn.functional.embedding(local.clamp(0, weight.shape[0] - 1), weight)
+        return self.all_reduce(h.masked_fill(outside[:, None], 0))
+
+    def close(self) -> None:
+        self.pg = None
+
+
+def single(num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int) -> Group:
+    """The group of one rank (no tensor parallelism)."""
+    return Group(Shards.of(0, 1, num_heads, num_kv_heads, intermediate_size, vocab_size))

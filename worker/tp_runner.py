@@ -1,0 +1,156 @@
+"""The runner of a tensor-parallel engine (tensor_parallel.py): rank 0 in the engine's
+process, ranks 1..N-1 in follower processes it starts.
+
+Rank 0 owns the scheduler, the block manager and the block tables (the engine's). Before
+each operation on the KV cache or the model it announces it to the followers (one
+broadcast: the step's input tensors, or the blocks to swap / copy / read / write; vLLM's
+SchedulerOutput broadcast), then every rank runs it on its shard:
+
+    run     forward (all-reduce after o and down) + the same LM-head calls (all-gather)
+    swap    each rank's share of every block, device <-> its own swap space
+    read    (export) each rank's share, gathered on rank 0: blocks carry every rank's heads
+    write   (import) each rank takes its heads' share
+
+A follower that dies makes rank 0's next collective raise: the engine fails its requests
+(fault_isolation.py) and the worker restarts as a whole.
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import subprocess
+import sys
+import weakref
+
+import torch
+
+from folio.worker.model_runner import ModelRunner, step_tensors
+from folio.worker.tensor_parallel import Group
+
+
+class TPModelRunner(ModelRunner):
+    """Rank 0: a ModelRunner whose model is sharded and whose every operation is announced."""
+
+    group: Group
+    followers: list
+
+    def attach(self, group: Group, followers: list) -> None:
+        """The group this rank 0 leads and the follower processes; they stop with the runner."""
+        self.group, self.followers = group, followers
+        self._finalizer = weakref.finalize(self, _stop, group, followers)
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def run(self, scheduled, kv):
+        inputs = self.prepare(scheduled, kv)
+        self.group.broadcast(("run", step_tensors(inputs), self.logit_batches(inputs)))
+        return inputs.sample_seqs, self.execute(inputs)
+
+    def swap(self, swap_out, swap_in) -> int:
+        if swap_out or swap_in:
+            self.group.broadcast(("swap", swap_out, swap_in))
+        return super().swap(swap_out, swap_in)
+
+    def copy_blocks(self, pairs) -> None:
+        if pairs:
+            self.group.broadcast(("copy", pairs))
+        super().copy_blocks(pairs)
+
+    def healthy(self) -> bool:
+        try:
+            self.group.broadcast(("probe",))
+        except Exception:
+            return False
+        return super().healthy()
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:  # every rank's KV heads, rank after rank
+        layers, kv, bs, heads, dim = self.kv_blocks.shape[1:]
+        return (layers, kv, bs, heads * self.group.size, dim)
+
+    def read_blocks(self, blocks: list[int], on_host: bool) -> torch.Tensor:
+        self.group.broadcast(("read", blocks, on_host))
+        return torch.cat(self.group.all_gather(super().read_blocks(blocks, on_host)), dim=-2)
+
+    def write_host_blocks(self, blocks: list[int], data: torch.Tensor) -> None:
+        self.group.broadcast(("write", blocks, data))
+        super().write_host_blocks(blocks, rank_share(data, self.group))
+
+
+
+def _stop(group: Group, followers: list) -> None:
+    if group.pg is not None:
+        try:
+            group.broadcast(("stop",))
+        except Exception:  # a follower died: the others get killed below
+            pass
+    for p in followers:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    group.close()
+
+
+def rank_share(data: torch.Tensor, group: Group) -> torch.Tensor:
+    """This rank's KV heads of blocks that carry every rank's ([..., heads * N, head_dim])."""
+    n = data.shape[-2] // group.size
+    return data[..., group.rank * n: (group.rank + 1) * n, :]
+
+
+def follow(runner: ModelRunner, group: Group) -> None:
+    """A follower's loop: run what rank 0 announces until it says stop (or the group breaks)."""
+    while True:
+        op, *args = group.broadcast()
+        if op == "stop":
+            return
+        if op == "run":
+            runner.replay(*args)
+        elif op == "swap":
+            runner.swap(*args)
+        elif op == "copy":
+            runner.copy_blocks(*args)
+        elif op == "probe":
+            runner.healthy()
+        elif op == "read":
+            group.all_gather(runner.read_blocks(*args))
+        elif op == "write":
+            blocks, data = args
+            runner.write_host_blocks(blocks, rank_share(data, group))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def follower_main() -> None:
+    """A follower process's entry: (config, rank, port, threads) pickled on stdin."""
+    config, rank, port, threads = pickle.loads(sys.stdin.buffer.read())
+    torch.set_num_threads(threads)
+    from folio.worker.runner import load_shard
+
+    runner, group = load_shard(config, rank, port)
+    try:
+        follow(runner, group)
+    finally:
+        group.close()
+
+
+def start_followers(config, port: int, threads: int) -> list[subprocess.Popen]:
+    """Ranks 1..N-1, each in a fresh interpreter (not multiprocessing: no re-import of the
+    caller's __main__, no fork of a process holding threads). They exit with rank 0's stop,
+    or when their group breaks."""
+    procs = []
+    for rank in range(1, config.tensor_parallel_size):
+        p = subprocess.Popen([sys.executable, "-c", "from folio.worker.tp_runner import follower_main; "
+                              "follower_main()"], stdin=subprocess.PIPE)
+        p.stdin.write(pickle.dumps((config, rank, port, threads)))
+        p.stdin.close()
+        procs.append(p)
+    return procs
+
