@@ -5,8 +5,9 @@
     async for chunk in cluster.router.generate(GenerateRequest(...)): ...
     cluster.shutdown(grace_s=10)             # stop admitting, drain, release everything
 
-One worker actor per GPU (`num_gpus=1`; on a CPU-only machine `ray.init(num_gpus=N)`
-declares logical GPUs and each worker runs its engine on the CPU). Without a
+One worker actor per GPU, or per group of N GPUs for a tensor-parallel worker (`num_gpus=N`;
+on a CPU-only machine `ray.init(num_gpus=...)` declares logical GPUs and each worker runs its
+engine on the CPU). Without a
 `redis_url` the cluster starts an embedded Redis server it owns and stops it.
 """
 
@@ -62,6 +63,8 @@ class ClusterConfig:
     coordinator_interval_s: float = 0.1
     coordinator: bool = True
     ready_timeout_s: float = 180.0
+    # per worker: the ranks (GPUs) of its tensor-parallel group; None: engine_args' tensor_parallel_size
+    tensor_parallel_sizes: list[int] | None = None
     detached: bool = False  # actors outlive their creator (a Serve app builder on KubeRay); reused if present
 
     def __post_init__(self) -> None:
@@ -70,9 +73,11 @@ class ClusterConfig:
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ConfigError(f"torch_threads must be >= 1, got {self.torch_threads}")
         engine_config = EngineConfig(model=self.model, **self.engine_args)  # checks the engine fields up front
-        if engine_config.tensor_parallel_size > 1:  # its ranks need a placement group of N GPUs per worker
-            raise ConfigError("tensor_parallel_size > 1 runs in the offline LLM only for now; a cluster's "
-                              "workers are one device each")
+        if self.tensor_parallel_sizes is None:
+            self.tensor_parallel_sizes = [engine_config.tensor_parallel_size] * self.num_workers
+        if len(self.tensor_parallel_sizes) != self.num_workers or min(self.tensor_parallel_sizes) < 1:
+            raise ConfigError(f"tensor_parallel_sizes must give each of the {self.num_workers} workers a size "
+                              f">= 1, got {self.tensor_parallel_sizes}")
         ModelConfig.from_dir(self.model)  # and that the checkpoint is there (ModelLoadError)
 
 
@@ -142,7 +147,8 @@ class FolioCluster:
                 ray.init(address=cfg.address, namespace=cfg.namespace, log_to_driver=False)
             else:
                 self._ray_temp_dir = tempfile.mkdtemp(prefix="folio-ray-", dir="/tmp")
-                ray.init(num_gpus=cfg.num_workers, num_cpus=max(os.cpu_count() or 1, 2), namespace=cfg.namespace,
+                ray.init(num_gpus=sum(cfg.tensor_parallel_sizes), num_cpus=max(os.cpu_count() or 1, 2),
+                         namespace=cfg.namespace,
                          include_dashboard=False, log_to_driver=False, _temp_dir=self._ray_temp_dir,
                          **bind_ray_to(cfg.host))
             self._started_ray = True
@@ -154,7 +160,8 @@ class FolioCluster:
         engine_fields = {**SERVER_DEFAULTS, **cfg.engine_args}  # a server: memory flat under load
         Worker = ray.remote(EngineWorker)
         for i in range(cfg.num_workers):
-            self.start_worker(f"w{i}", Worker, engine_fields, threads)
+            tp = cfg.tensor_parallel_sizes[i]
+            self.start_worker(f"w{i}", Worker, {**engine_fields, "tensor_parallel_size": tp}, threads)
         self.wait_ready(cfg.num_workers)
         client = RayWorkerClient(cfg.namespace, cfg.namespace)
         if cfg.coordinator:
@@ -169,7 +176,10 @@ class FolioCluster:
     def start_worker(self, wid: str, Worker, engine_fields: dict, threads: int):
         cfg = self.config
         engine_config = EngineConfig(model=os.path.abspath(cfg.model), **engine_fields)
-        handle = Worker.options(name=actor_name(cfg.namespace, wid), namespace=cfg.namespace, num_gpus=1,
+        # one actor holds its group's N GPUs (Ray packs them on one node); its engine starts the
+        # other ranks as its own processes (worker/tp_runner.py), which end with it
+        handle = Worker.options(name=actor_name(cfg.namespace, wid), namespace=cfg.namespace,
+                                num_gpus=engine_config.tensor_parallel_size,
                                 num_cpus=cfg.worker_num_cpus, max_concurrency=1000,
                                 # a worker that dies (or exits after its engine failed) is restarted:
                                 # a new engine, and its heartbeats register it again

@@ -77,14 +77,16 @@ def plan_moves(loads: dict[str, WorkerLoad], now: float, last_moved: dict[str, f
         if now - last_moved.get(r.request_id, float("-inf")) < cooldown_s:
             continue
         kv = r.num_blocks if r.state == "swapped" else 0  # what lands in the destination's swap space
-        dests = [d for d in open_ if d != src and free[d] >= r.num_blocks and cpu_free[d] >= kv]
+        # its KV is sharded over the source's ranks: only a group of the same size can take it
+        peers = [d for d in open_ if d != src and open_[d].tensor_parallel_size == loads[src].tensor_parallel_size]
+        dests = [d for d in peers if free[d] >= r.num_blocks and cpu_free[d] >= kv]
         if dests:
             d = max(dests, key=lambda w: (free[w], w))
             moves.append(Move(r.request_id, src, d, (), r.num_blocks))
             free[d] -= r.num_blocks
             cpu_free[d] -= kv
             continue
-        victims = sorted(((d, v) for d in open_ if d != src for v in open_[d].requests
+        victims = sorted(((d, v) for d in peers for v in open_[d].requests
                           if v.state == "running" and v.priority > r.priority and v.request_id not in taken),
                          key=lambda dv: (-dv[1].priority, -dv[1].arrival_time, dv[1].request_id))
         gathered: dict[str, list[RequestSummary]] = {}

@@ -37,6 +37,7 @@ class LoadReports:
                                   timings=dataclasses.replace(e.timings))
         return WorkerLoad(worker_id=self.worker_id, timestamp=time.time(), num_kv_blocks=st.num_kv_blocks,
                           num_free_blocks=st.num_free_blocks, block_size=e.config.block_size,
+                          tensor_parallel_size=e.config.tensor_parallel_size,
                           num_cpu_blocks=st.num_cpu_blocks, num_free_cpu_blocks=st.num_free_cpu_blocks,
                           cpu_usage=st.cpu_usage, num_running=st.num_running, num_waiting=st.num_waiting,
                           num_swapped=st.num_swapped, queued_tokens=queued, tokens_per_s=rate,

@@ -112,6 +112,7 @@ class WorkerLoad:
     num_kv_blocks: int  # device KV blocks, all
     num_free_blocks: int  # of those, free
     block_size: int  # tokens per block
+    tensor_parallel_size: int = 1  # ranks (GPUs) of the worker's group: requests move only between equal groups
     num_cpu_blocks: int = 0  # swap-space blocks, all (0: no swapping)
     num_free_cpu_blocks: int = 0  # of those, free
     cpu_usage: float = 0.0  # swap-space blocks in use / all

@@ -53,14 +53,27 @@ def test_prefix_aware_prefers_longest_match_while_balanced():
     assert prefix_aware(skewed, {"a": 8}, imbalance=1.0) == "a"
 
 
-def load(wid, free, total=100, reqs=(), cpu_free=1000, draining=False):
+def load(wid, free, total=100, reqs=(), cpu_free=1000, draining=False, tp=1):
     return WorkerLoad(worker_id=wid, timestamp=0.0, num_kv_blocks=total, num_free_blocks=free, num_cpu_blocks=1000,
                       num_free_cpu_blocks=cpu_free, block_size=16, draining=draining,
-                      requests=list(reqs))
+                      requests=list(reqs), tensor_parallel_size=tp)
 
 
 def req(rid, state, blocks, prio=0, arrival=0.0):
     return RequestSummary(request_id=rid, state=state, priority=prio, arrival_time=arrival, num_blocks=blocks)
+
+
+def test_requests_move_only_between_tensor_parallel_groups_of_one_size():
+    """A request's KV is sharded over its worker's ranks: a TP=2 worker's request goes to the
+    other TP=2 worker, never to the roomier TP=1 one, and preempts nothing there either."""
+    starved = [req("r1", "swapped", 10, arrival=1.0), req("r0", "running", 80)]
+    loads = {"a": load("a", 2, reqs=starved, tp=2), "b": load("b", 90, tp=1,
+                                                              reqs=[req("v", "running", 20, prio=5)]),
+             "c": load("c", 40, tp=2)}
+    assert plan_moves(loads, now=100.0) == [Move("r1", "a", "c", (), 10)]
+    del loads["c"]
+    assert plan_moves(loads, now=100.0) == []
+    assert plan_moves({**loads, "b": load("b", 90, tp=2)}, now=100.0) == [Move("r1", "a", "b", (), 10)]
 
 
 def test_swapped_request_resumes_on_the_worker_with_room():

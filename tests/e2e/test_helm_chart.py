@@ -23,6 +23,7 @@ OVERRIDES = {
     "external-redis": {"redis": {"enabled": False, "url": "redis://redis.infra:6379/0",
                                  "passwordSecret": {"name": "redis-auth", "key": "password"}}},
     "four-gpu-workers": {"workers": {"replicas": 2, "gpusPerPod": 2}},
+    "tensor-parallel": {"workers": {"replicas": 2, "gpusPerPod": 4, "tensorParallelSize": 2}},
     "auth-on": {"apiKey": {"enabled": True, "value": "s3cret"}},
     "auth-existing-secret": {"apiKey": {"enabled": True, "existingSecret": "folio-keys"}},
     "servicemonitor-pdb": {"serviceMonitor": {"enabled": True}, "podDisruptionBudget": {"enabled": True}},
@@ -111,7 +112,9 @@ def test_serve_arguments_parse_with_the_cli_and_match_the_ports(chart):
         assert app["import_path"] == "folio.deploy.rayservice:build"
         args = parse_argv(app["args"]["argv"])  # exits (SystemExit) on anything `folio serve` rejects
         merged = chart.merge_values(values)
-        assert args.num_workers == merged["workers"]["replicas"] * merged["workers"]["gpusPerPod"], case
+        tp = merged["workers"].get("tensorParallelSize", 1)
+        assert args.num_workers * tp == merged["workers"]["replicas"] * merged["workers"]["gpusPerPod"], case
+        assert args.tensor_parallel_size == tp, case
         assert args.model == merged["model"]["path"] and args.address == "auto"
         assert args.kv_cache_layout == merged["serve"]["kvCacheLayout"], case
         assert args.host == "0.0.0.0", case  # explicit: `folio serve` alone listens on loopback only
@@ -146,6 +149,12 @@ def test_gpu_requests_auth_and_termination(chart):
     worker = group["template"]["spec"]["containers"][0]
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == 2 and group["rayStartParams"]["num-gpus"] == "2"
     assert group["template"]["spec"]["terminationGracePeriodSeconds"] == 45  # drain 30 s + 15
+    rs, _ = serve_config(render(chart, OVERRIDES["tensor-parallel"]))  # 2 pods x 4 GPUs: 4 workers of 2 GPUs
+    group = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    assert group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert group["rayStartParams"]["num-gpus"] == "4"
+    with pytest.raises(Exception, match="must divide"):  # a worker's GPUs must be on one pod
+        render(chart, {"workers": {"replicas": 1, "gpusPerPod": 3, "tensorParallelSize": 2}})
     rs, _ = serve_config(render(chart, OVERRIDES["cpu-only"]))
     worker = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
     assert "nvidia.com/gpu" not in worker["resources"]["limits"]
@@ -161,6 +170,7 @@ def test_gpu_requests_auth_and_termination(chart):
 @pytest.mark.parametrize("values, message", [
     ({"workers": {"replicas": -1}}, "replicas"),
     ({"workers": {"replicas": 0}}, "replicas"),
+    ({"workers": {"tensorParallelSize": 0}}, "tensorParallelSize"),
     ({"model": {"source": None}}, "source"),
     ({"model": {"source": "s3"}}, "source"),
     ({"model": {"pvc": {"claimName": ""}}}, "claimName"),

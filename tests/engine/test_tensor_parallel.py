@@ -115,3 +115,14 @@ def test_tp2_prompt_logprobs_and_logprobs_match_one_rank(model_dirs):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for x, y in zip(a.prompt_logprobs[1:] + a.outputs[0].logprobs, b.prompt_logprobs[1:] + b.outputs[0].logprobs):
             assert x.keys() == y.keys() and all(abs(x[k] - y[k]) < 1e-4 for k in x), (x, y)
+
+
+def test_a_size_the_model_cannot_split_into_is_refused_before_any_rank_starts(model_dirs):
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(ConfigError, match="must divide"):
+        LLM(model_dirs["llama"], tensor_parallel_size=3)  # 4 heads
+    with pytest.raises(ConfigError, match=">= 1"):
+        LLM(model_dirs["llama"], tensor_parallel_size=0)
+    assert {p.pid for p in psutil.Process().children(recursive=True)} == before

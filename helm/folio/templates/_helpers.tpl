@@ -29,7 +29,14 @@ folio.io/role: head
 {{ .Values.redis.passwordSecret.name | default (printf "%s-redis" (include "folio.fullname" .)) }}
 {{- end -}}
 
-{{- define "folio.numWorkers" -}}{{ mul .Values.workers.replicas .Values.workers.gpusPerPod }}{{- end -}}
+{{- define "folio.tensorParallelSize" -}}{{ .Values.workers.tensorParallelSize | default 1 }}{{- end -}}
+{{- define "folio.numWorkers" -}}
+{{- $tp := include "folio.tensorParallelSize" . | int -}}
+{{- if mod (int .Values.workers.gpusPerPod) $tp -}}
+{{- fail (printf "workers.tensorParallelSize (%d) must divide workers.gpusPerPod (%d): a worker's GPUs are on one pod" $tp (int .Values.workers.gpusPerPod)) -}}
+{{- end -}}
+{{ div (mul .Values.workers.replicas .Values.workers.gpusPerPod) $tp }}
+{{- end -}}
 
 {{/* The arguments of `folio serve` (tests parse them with the CLI's own parser). */}}
 {{- define "folio.serveArgs" -}}
@@ -37,6 +44,8 @@ folio.io/role: head
 - {{ .Values.model.path | quote }}
 - --num-workers
 - {{ include "folio.numWorkers" . | quote }}
+- --tensor-parallel-size
+- {{ include "folio.tensorParallelSize" . | quote }}
 - --address
 - auto
 - --redis-url
