@@ -12,7 +12,9 @@ SchedulerOutput broadcast), then every rank runs it on its shard:
     write   (import) each rank takes its heads' share
 
 A follower that dies makes rank 0's next collective raise: the engine fails its requests
-(fault_isolation.py) and the worker restarts as a whole.
+(fault_isolation.py) and the worker restarts as a whole. A step that raises on rank 0 after
+it was announced breaks the group too (the followers may be inside one of its collectives):
+fault isolation cannot re-run parts of a batch on a group, so no single request is blamed.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import weakref
 
 import torch
 
+from folio.worker.errors import EngineFailedError
 from folio.worker.model_runner import ModelRunner, step_tensors
 from folio.worker.tensor_parallel import Group
 
@@ -41,12 +44,26 @@ class TPModelRunner(ModelRunner):
         self._finalizer = weakref.finalize(self, _stop, group, followers)
 
     def close(self) -> None:
+        if self.broken is not None:  # the followers may sit in a collective: no stop broadcast
+            self.group.close()
+            for p in self.followers:
+                p.kill()
         self._finalizer()
 
+    broken: str | None = None  # why the group can no longer run a step
+
     def run(self, scheduled, kv):
-        inputs = self.prepare(scheduled, kv)
-        self.group.broadcast(("run", step_tensors(inputs), self.logit_batches(inputs)))
-        return inputs.sample_seqs, self.execute(inputs)
+        if self.broken is not None:
+            raise EngineFailedError(self.broken)
+        inputs = self.prepare(scheduled, kv)  # nothing announced yet: a fault here is the batch's
+        try:
+            self.group.broadcast(("run", step_tensors(inputs), self.logit_batches(inputs)))
+            return inputs.sample_seqs, self.execute(inputs)
+        except Exception as e:
+            # the followers may be waiting in a collective of this step: no other step (nor
+            # fault isolation's re-runs of parts of it) can run on this group any more
+            self.broken = f"tensor-parallel group broken in a step: {type(e).__name__}: {e}"
+            raise EngineFailedError(self.broken) from e
 
     def swap(self, swap_out, swap_in) -> int:
         if swap_out or swap_in:
@@ -59,6 +76,8 @@ class TPModelRunner(ModelRunner):
         super().copy_blocks(pairs)
 
     def healthy(self) -> bool:
+        if self.broken is not None:
+            return False
         try:
             self.group.broadcast(("probe",))
         except Exception:

@@ -126,3 +126,25 @@ def test_a_size_the_model_cannot_split_into_is_refused_before_any_rank_starts(mo
     with pytest.raises(ConfigError, match=">= 1"):
         LLM(model_dirs["llama"], tensor_parallel_size=0)
     assert {p.pid for p in psutil.Process().children(recursive=True)} == before
+
+
+def test_a_fault_inside_a_tp_step_fails_the_engine_at_once(model_dirs, monkeypatch):
+    """Rank 0's forward raises after the step was announced (the followers wait in its
+    collectives): the group is broken, the engine fails now with a clear error rather than
+    re-running parts of the batch into mismatched collectives (a hang until gloo's timeout)."""
+    import time
+
+    llm = LLM(model_dirs["llama"], block_size=4, num_kv_blocks=64, tensor_parallel_size=2)
+    try:
+        def broken(*a, **kw):
+            raise RuntimeError("device lost on rank 0")
+        monkeypatch.setattr(llm.engine.runner.model, "forward", broken)
+        t0 = time.monotonic()
+        with pytest.raises(EngineFailedError, match="tensor-parallel group broken.*device lost"):
+            llm.generate(PROMPTS[:2], GREEDY)
+        assert time.monotonic() - t0 < 10
+    finally:
+        t0 = time.monotonic()
+        llm.engine.runner.close()  # the follower is stopped or killed: bounded either way
+        assert time.monotonic() - t0 < 30
+        assert all(p.poll() is not None for p in llm.engine.runner.followers)
