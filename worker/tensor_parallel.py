@@ -82,16 +82,10 @@ class Shards:
         return range(min(self.rank * n, self.vocab_size), min((self.rank + 1) * n, self.vocab_size))
 
 
-def head_rows(w: torch.Tensor, heads: range, head_dim: int) -> torch.Tensor:
-    """The rows (dim 0) of `w` that belong to `heads` (each head_dim rows)."""
-    return w[heads.start * head_dim: heads.stop * head_dim]
-
-
-def vocab_rows(w: torch.Tensor, shards: Shards) -> torch.Tensor:
+def pad_vocab(rows: torch.Tensor, shards: Shards) -> torch.Tensor:
     """This rank's vocabulary rows of an embedding / LM head weight, zero-padded to the shard size."""
-    part = w[shards.vocab.start: shards.vocab.stop]
-    pad = shards.vocab_shard_size - part.shape[0]
-    return torch.cat([part, part.new_zeros(pad, *part.shape[1:])]) if pad else part
+    pad = shards.vocab_shard_size - rows.shape[0]
+    return torch.cat([rows, rows.new_zeros(pad, *rows.shape[1:])]) if pad else rows
 
 
 class Group:

@@ -148,3 +148,20 @@ def test_a_fault_inside_a_tp_step_fails_the_engine_at_once(model_dirs, monkeypat
         llm.engine.runner.close()  # the follower is stopped or killed: bounded either way
         assert time.monotonic() - t0 < 30
         assert all(p.poll() is not None for p in llm.engine.runner.followers)
+
+
+def test_a_rank_reads_only_its_slices_of_the_checkpoint(model_dirs):
+    """Weights.get(name, part) reads rows or columns straight from the safetensors file: the
+    same values as the whole tensor's slice, and only that many elements."""
+    from folio.worker.models.loader import Weights
+
+    w = Weights(model_dirs["qwen2"])
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight",
+                 "model.layers.0.self_attn.k_proj.bias"):
+        whole = w.get(name)
+        n = whole.shape[0]
+        rows = w.get(name, (0, n // 4, n // 2))
+        assert rows.shape[0] == n // 2 - n // 4 and (rows == whole[n // 4: n // 2]).all()
+        if whole.dim() == 2:
+            cols = w.get(name, (1, 8, 24))
+            assert cols.shape == (n, 16) and (cols == whole[:, 8:24]).all()

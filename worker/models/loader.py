@@ -17,7 +17,7 @@ from folio.worker.errors import ModelLoadError
 from folio.worker.models import gguf_loader
 from folio.worker.models.model_config import ModelConfig, unreadable
 from folio.worker.models.llama import LayerWeights, LlamaModel
-from folio.worker.tensor_parallel import Group, single, vocab_rows
+from folio.worker.tensor_parallel import Group, pad_vocab, single
 
 
 def _weight_files(path: str) -> list[str]:
@@ -36,28 +36,67 @@ def _weight_files(path: str) -> list[str]:
     return files
 
 
-def load_state_dict(path: str) -> dict[str, torch.Tensor]:
-    try:
-        gguf_file = gguf_loader.find_gguf(path)
-        files = [] if gguf_file is not None else _weight_files(path)
-    except OSError as e:
-        raise unreadable(e, path) from e
-    except ValueError as e:  # model.safetensors.index.json
-        raise ModelLoadError(f"the weight index in {path!r} is not valid JSON: {e}") from e
-    if gguf_file is not None:  # llama.cpp's format: dequantized, under Hugging Face names
-        return gguf_loader.load_state_dict(gguf_file)
-    sd: dict[str, torch.Tensor] = {}
-    for f in files:
+Part = tuple[int, int, int]  # (dim, start, stop): the slice of a weight a tensor-parallel rank reads
+
+
+class Weights:
+    """A checkpoint's tensors by name, read on demand: a rank reads only its slice of each
+    (safetensors' get_slice), so N ranks hold one copy of the weights between them. A GGUF
+    file is dequantized whole (llama.cpp's blocks are not sliceable by row ranges here)."""
+
+    def __init__(self, path: str) -> None:
         try:
-            open(f, "rb").close()  # safetensors reports an unreadable file as "No such file or directory"
-            with safe_open(f, framework="pt", device="cpu") as st:
-                for k in st.keys():
-                    sd[k] = st.get_tensor(k)
+            gguf_file = gguf_loader.find_gguf(path)
+            files = [] if gguf_file is not None else _weight_files(path)
         except OSError as e:
-            raise unreadable(e, f, "weight file ") from e
-        except Exception as e:  # a truncated or foreign file
-            raise ModelLoadError(f"cannot read weight file {f!r}: {e}") from e
-    return sd
+            raise unreadable(e, path) from e
+        except ValueError as e:  # model.safetensors.index.json
+            raise ModelLoadError(f"the weight index in {path!r} is not valid JSON: {e}") from e
+        self.tensors: dict[str, torch.Tensor] = {}  # GGUF: dequantized, under Hugging Face names
+        self.files: dict[str, tuple[str, object]] = {}  # name -> (file, its open safetensors handle)
+        if gguf_file is not None:
+            self.tensors = gguf_loader.load_state_dict(gguf_file)
+        for f in files:
+            try:
+                open(f, "rb").close()  # safetensors reports an unreadable file as "No such file or directory"
+                st = safe_open(f, framework="pt", device="cpu")
+                self.files.update((k, (f, st)) for k in st.keys())
+            except OSError as e:
+                raise unreadable(e, f, "weight file ") from e
+            except Exception as e:  # a truncated or foreign file
+                raise ModelLoadError(f"cannot read weight file {f!r}: {e}") from e
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors or name in self.files
+
+    def names(self) -> list[str]:
+        return list(self.tensors) + list(self.files)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name in self.tensors:
+            return tuple(self.tensors[name].shape)
+        return tuple(self.files[name][1].get_slice(name).get_shape())
+
+    def get(self, name: str, part: Part | None = None) -> torch.Tensor:
+        """The tensor, or its rows (dim 0) / columns (dim 1) [start, stop)."""
+        if name in self.tensors:
+            t = self.tensors[name]
+            return t if part is None else t.narrow(part[0], part[1], part[2] - part[1])
+        f, st = self.files[name]
+        try:
+            if part is None:
+                return st.get_tensor(name)
+            s = st.get_slice(name)
+            dim, a, b = part
+            return s[a:b] if dim == 0 else s[:, a:b]
+        except Exception as e:  # a file cut short after its header
+            raise ModelLoadError(f"cannot read weight {name!r} from {f!r}: {e}") from e
+
+
+def load_state_dict(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, whole."""
+    w = Weights(path)
+    return {name: w.get(name) for name in w.names()}
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int,
@@ -65,19 +104,19 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int
     """The model, or under tensor parallelism `group`'s rank's shard of it (tensor_parallel.py)."""
     config = config or ModelConfig.from_dir(path)
     group = group or single(config.num_heads, config.num_kv_heads, config.intermediate_size, config.vocab_size)
-    sd = load_state_dict(path)
+    sd = Weights(path)
     used: set[str] = set()
 
-    def take(name: str, shape: tuple[int, ...] | None = None, optional: bool = False) -> torch.Tensor | None:
+    def take(name: str, shape: tuple[int, ...] | None = None, optional: bool = False,
+             part: Part | None = None) -> torch.Tensor | None:
         if name not in sd:
             if optional:
                 return None
             raise ModelLoadError(f"weight {name!r} is missing from the checkpoint in {path!r}")
-        t = sd[name]
-        if shape is not None and tuple(t.shape) != shape:
-            raise ModelLoadError(f"weight {name!r} has shape {tuple(t.shape)}, expected {shape}")
+        if shape is not None and sd.shape(name) != shape:
+            raise ModelLoadError(f"weight {name!r} has shape {sd.shape(name)}, expected {shape}")
         used.add(name)
-        return t.to(device=device, dtype=dtype).contiguous()
+        return sd.get(name, part).to(device=device, dtype=dtype).contiguous()
 
     def cat(*ts: torch.Tensor | None) -> torch.Tensor | None:
         return None if ts[0] is None else torch.cat(ts, dim=0).contiguous()
@@ -85,14 +124,14 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int
     sh = group.shards
     whole = sh.size == 1
 
-    def rows(t: torch.Tensor | None, heads: range | None = None, cols: bool = False) -> torch.Tensor | None:
-        """This rank's share of `t`: the rows (or columns) of `heads` (head_dim each) or of its MLP slice."""
-        if t is None or whole:
-            return t
-        r = range(heads.start * D, heads.stop * D) if heads is not None else sh.intermediate
-        return (t[:, r.start: r.stop] if cols else t[r.start: r.stop]).contiguous()
+    def heads(r: range, dim: int = 0) -> Part | None:
+        """This rank's rows (dim 0) or columns (dim 1) of a projection: its heads, head_dim each."""
+        return None if whole else (dim, r.start * D, r.stop * D)
 
-    def row_bias(t: torch.Tensor | None) -> torch.Tensor | None:
+    def mlp(dim: int = 0) -> Part | None:
+        return None if whole else (dim, sh.intermediate.start, sh.intermediate.stop)
+
+    def once(t: torch.Tensor | None) -> torch.Tensor | None:
         return t if sh.rank == 0 else None  # a row-parallel layer's bias is added once, by rank 0
 
     backend = linear_backend(device, dtype)
@@ -103,30 +142,33 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int
     c = config
     H, D, I = c.hidden_size, c.head_dim, c.intermediate_size
     q_out, kv_out = c.num_heads * D, c.num_kv_heads * D
-    embed = take("model.embed_tokens.weight", (c.vocab_size, H))
     qh, kvh = sh.heads, sh.kv_heads
+    vocab = None if whole else (0, sh.vocab.start, sh.vocab.stop)
+    embed = take("model.embed_tokens.weight", (c.vocab_size, H), part=vocab)
     layers = []
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
         layers.append(LayerWeights(
             input_norm=take(p + "input_layernorm.weight", (H,)),
-            qkv=linear(cat(rows(take(a + "q_proj.weight", (q_out, H)), qh),
-                           rows(take(a + "k_proj.weight", (kv_out, H)), kvh),
-                           rows(take(a + "v_proj.weight", (kv_out, H)), kvh)),
-                       cat(rows(take(a + "q_proj.bias", (q_out,)), qh), rows(take(a + "k_proj.bias", (kv_out,)), kvh),
-                           rows(take(a + "v_proj.bias", (kv_out,)), kvh)) if c.qkv_bias else None),
-            o=linear(rows(take(a + "o_proj.weight", (H, q_out)), qh, cols=True),
-                     row_bias(take(a + "o_proj.bias", (H,))) if c.o_bias else None),
+            qkv=linear(cat(take(a + "q_proj.weight", (q_out, H), part=heads(qh)),
+                           take(a + "k_proj.weight", (kv_out, H), part=heads(kvh)),
+                           take(a + "v_proj.weight", (kv_out, H), part=heads(kvh))),
+                       cat(take(a + "q_proj.bias", (q_out,), part=heads(qh)),
+                           take(a + "k_proj.bias", (kv_out,), part=heads(kvh)),
+                           take(a + "v_proj.bias", (kv_out,), part=heads(kvh))) if c.qkv_bias else None),
+            o=linear(take(a + "o_proj.weight", (H, q_out), part=heads(qh, dim=1)),
+                     once(take(a + "o_proj.bias", (H,))) if c.o_bias else None),
             post_norm=take(p + "post_attention_layernorm.weight", (H,)),
-            gate_up=linear(cat(rows(take(m + "gate_proj.weight", (I, H))), rows(take(m + "up_proj.weight", (I, H)))),
-                           cat(rows(take(m + "gate_proj.bias", (I,))), rows(take(m + "up_proj.bias", (I,))))
+            gate_up=linear(cat(take(m + "gate_proj.weight", (I, H), part=mlp()),
+                               take(m + "up_proj.weight", (I, H), part=mlp())),
+                           cat(take(m + "gate_proj.bias", (I,), part=mlp()), take(m + "up_proj.bias", (I,), part=mlp()))
                            if c.mlp_bias else None),
-            down=linear(rows(take(m + "down_proj.weight", (H, I)), cols=True),
-                        row_bias(take(m + "down_proj.bias", (H,))) if c.mlp_bias else None),
+            down=linear(take(m + "down_proj.weight", (H, I), part=mlp(dim=1)),
+                        once(take(m + "down_proj.bias", (H,))) if c.mlp_bias else None),
         ))
     norm = take("model.norm.weight", (H,))
-    head = embed if c.tie_word_embeddings else take("lm_head.weight", (c.vocab_size, H))
-    if not whole:
-        embed, head = vocab_rows(embed, sh).contiguous(), vocab_rows(head, sh).contiguous()
+    head = embed if c.tie_word_embeddings else take("lm_head.weight", (c.vocab_size, H), part=vocab)
+    if not whole:  # shards of ceil(V / N) rows: the last one zero-padded
+        embed, head = pad_vocab(embed, sh), pad_vocab(head, sh)
     return LlamaModel(c, embed, layers, norm, linear(head, None), max_len, get_ops(device), group)
