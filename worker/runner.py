@@ -121,8 +121,11 @@ def load_shard(config: EngineConfig, rank: int = 0, port: int | None = None, fol
     group = Group(shards) if shards.size == 1 else Group.join(shards, "127.0.0.1", port)
     model = load_model(config.model, dtype, device, sizes.max_model_len, mc, group)
     if rank > 0:
-        return ModelRunner(model, sizes.num_kv_blocks, config.block_size, dtype, device, sizes.num_cpu_blocks,
-                           layout=config.kv_cache_layout), group
+        follower = ModelRunner(model, sizes.num_kv_blocks, config.block_size, dtype, device, sizes.num_cpu_blocks,
+                               layout=config.kv_cache_layout)
+        if config.warm_up:  # its own linear layers: no collective, and its memory flat too
+            follower.warm_up(sizes.max_num_batched_tokens, config.max_num_seqs)
+        return follower, group
     tokenizer = load_tokenizer(config.tokenizer)
     eos = set(mc.eos_token_ids) | generation_eos_ids(config.model)
     if tokenizer.eos_token_id is not None:
