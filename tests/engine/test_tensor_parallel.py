@@ -165,3 +165,27 @@ def test_a_rank_reads_only_its_slices_of_the_checkpoint(model_dirs):
         if whole.dim() == 2:
             cols = w.get(name, (1, 8, 24))
             assert cols.shape == (n, 16) and (cols == whole[:, 8:24]).all()
+
+
+@pytest.fixture(scope="module")
+def engines(model_dirs):
+    """One TP=1 and one TP=2 engine on GQA 4/2, 40 blocks of 4 tokens, 9 tokens a step."""
+    cfg = dict(block_size=4, num_kv_blocks=40, num_cpu_blocks=40, max_num_batched_tokens=9)
+    one = LLM(model_dirs["qwen2"], **cfg)
+    two = LLM(model_dirs["qwen2"], tensor_parallel_size=2, **cfg)
+    yield one, two
+    two.engine.runner.close()
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(batch=st.lists(st.tuples(st.lists(st.integers(3, 1000), min_size=1, max_size=60), st.integers(1, 12)),
+                      min_size=1, max_size=6))
+def test_generated_batches_give_one_ranks_tokens(engines, batch):
+    """Generated batches (chunked, preempted, prefix-shared as they fall) on TP=2 and TP=1."""
+    one, two = engines
+    prompts = [p for p, _ in batch]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for _, m in batch]
+    got, want = two.generate(prompts, params), one.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert two.engine.kv.num_free_blocks == 40
+    two.engine.check_invariants()
