@@ -133,9 +133,7 @@ class ModelRunner:
                                      block_tables=torch.zeros((1, 1), dtype=torch.int32, device=dev),
                                      seq_lens=torch.ones(1, dtype=torch.int32, device=dev),
                                      query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=dev))
-            meta.plan = self.model.ops.plan_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                                      self.block_size,
-                                                      kernels.kv_bytes_per_token(self.kv_caches[0][0]))
+            self._plan(meta)
             zero = torch.zeros(1, dtype=torch.long, device=dev)
             hidden = self.model.forward(zero, zero, meta, self.kv_caches)
             self.model.compute_logits(hidden).float().sum().item()
@@ -192,17 +190,21 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
         )
-        meta.plan = self.model.ops.plan_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc, B,
-                                           kernels.kv_bytes_per_token(self.kv_caches[0][0]))
+        self._plan(meta)
         return ModelInputs(torch.tensor(ids, dtype=torch.long, device=dev),
                            torch.tensor(pos, dtype=torch.long, device=dev), meta, sample_rows, sample_seqs,
                            prompt_rows)
 
-    def execute(self, inputs: ModelInputs) -> torch.Tensor | None:
+    def _plan(self, meta: AttentionMetadata) -> None:
+        """The layout every layer's attention reads (kernels/attention_plan.py), once per step."""
+        meta.plan = self.model.ops.plan_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                                  self.block_size, kernels.kv_bytes_per_token(self.kv_caches[0][0]))
+
+    def execute(self, inputs: ModelInputs, batches: list[list[int]] | None = None) -> torch.Tensor | None:
         """Run the model; logits [len(sample_rows), vocab] in float32, or None if nothing samples.
-        The LM-head calls are those of logit_batches(inputs), in its order."""
+        The LM-head calls are those of `batches` (logit_batches(inputs) when not given), in order."""
         hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
-        batches = iter(self.logit_batches(inputs))
+        batches = iter(self.logit_batches(inputs) if batches is None else batches)
         if inputs.prompt_rows:
             self._prompt_logprobs(hidden, inputs.prompt_rows, batches)
         if not inputs.sample_rows:
@@ -224,11 +226,11 @@ class ModelRunner:
 
     def replay(self, tensors: dict, batches: list[list[int]]) -> None:
         """A tensor-parallel follower's step: rank 0's inputs (step_tensors) on this rank's shard."""
-        meta = AttentionMetadata(slot_mapping=tensors["slot_mapping"], block_tables=tensors["block_tables"],
-                                 seq_lens=tensors["seq_lens"], query_start_loc=tensors["query_start_loc"])
-        meta.plan = self.model.ops.plan_attention(meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                                  self.block_size, kernels.kv_bytes_per_token(self.kv_caches[0][0]))
-        hidden = self.model.forward(tensors["input_ids"], tensors["positions"], meta, self.kv_caches)
+        t = {k: v.to(self.device) for k, v in tensors.items()}  # broadcast on the CPU
+        meta = AttentionMetadata(slot_mapping=t["slot_mapping"], block_tables=t["block_tables"],
+                                 seq_lens=t["seq_lens"], query_start_loc=t["query_start_loc"])
+        self._plan(meta)
+        hidden = self.model.forward(t["input_ids"], t["positions"], meta, self.kv_caches)
         for rows in batches:
             self._logits(hidden, rows)
 

@@ -96,6 +96,7 @@ class Group:
     def __init__(self, shards: Shards, pg=None) -> None:
         self.shards = shards
         self.pg = pg
+        self.store = None  # the rendezvous (rank 0 hosts it), kept alive as long as the group
         self.collective_seconds = 0.0  # this rank's wall time in the model's all-reduces and all-gathers
 
     @classmethod
@@ -105,7 +106,7 @@ class Group:
         store = dist.TCPStore(host, port, shards.size, shards.rank == 0, timeout=timeout)
         pg = dist.ProcessGroupGloo(store, shards.rank, shards.size, timeout)
         g = cls(shards, pg)
-        g.store = store  # kept alive as long as the group
+        g.store = store
         return g
 
     @property

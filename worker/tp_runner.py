@@ -57,8 +57,9 @@ class TPModelRunner(ModelRunner):
             raise EngineFailedError(self.broken)
         inputs = self.prepare(scheduled, kv)  # nothing announced yet: a fault here is the batch's
         try:
-            self.group.broadcast(("run", step_tensors(inputs), self.logit_batches(inputs)))
-            return inputs.sample_seqs, self.execute(inputs)
+            batches = self.logit_batches(inputs)
+            self.group.broadcast(("run", step_tensors(inputs), batches))
+            return inputs.sample_seqs, self.execute(inputs, batches)
         except Exception as e:
             # the followers may be waiting in a collective of this step: no other step (nor
             # fault isolation's re-runs of parts of it) can run on this group any more
