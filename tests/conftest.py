@@ -97,6 +97,44 @@ def hf_reference():
     return hf_greedy
 
 
+# ---- waiting on a condition: a deadline in seconds, never a count of polls ---------------
+# (a CI run on a loaded host spent 200 polls of 20 ms before a heartbeat showed a burst, and
+# the test then went on as if it had: the loop fell through and a later assert failed)
+def wait_for(pred, timeout_s: float, what: str, interval_s: float = 0.02, ignore: tuple = ()):
+    """Call `pred` until it returns something true, and return that; fail, naming `what`, after
+    `timeout_s`. Exceptions of the `ignore` types count as false (a server still starting,
+    Redis restarting)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            value = pred()
+            if value:
+                return value
+        except ignore:
+            pass
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(interval_s)
+
+
+async def until(pred, what: str, timeout_s: float = 120, interval_s: float = 0.02):
+    """wait_for in a coroutine: `pred` a function or a coroutine function; returns its last
+    (true) value."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ok = pred()
+        if asyncio.iscoroutine(ok):
+            ok = await ok
+        if ok:
+            return ok
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        await asyncio.sleep(interval_s)
+
+
 # ---- one `folio serve` for the tests of the client APIs and of the load harness ----------
 FOLIO_SERVER_KEY = "test-key"
 FOLIO_SERVER_LIMIT = 6  # --max-num-requests: a burst past it gets 429 / RESOURCE_EXHAUSTED

@@ -17,7 +17,7 @@ from folio.worker.errors import UnavailableError  # noqa: E402
 from folio.worker.hashing import hash_full_blocks  # noqa: E402
 from folio.worker.messages import GenerateRequest  # noqa: E402
 
-from conftest import PROMPTS  # noqa: E402
+from conftest import PROMPTS, until  # noqa: E402
 
 ENGINE = dict(block_size=8, num_kv_blocks=24, num_cpu_blocks=96, max_model_len=256, preemption_mode="swap")
 TIMEOUT_S = 120
@@ -120,10 +120,9 @@ def test_policies_route_as_specified(cluster, tokenizer):
             # the router's own snapshot shows w0 loaded (w0 swaps under this burst, and a heartbeat
             # taken just after a swap-out showed it with room: 2 runs of 5 picked w0 first
             # when this waited on a separate read of Redis)
-            for _ in range(200):
-                if (await ll._live_now(refresh=True))["w0"].num_free_blocks < 8:
-                    break
-                await asyncio.sleep(0.02)
+            async def w0_loaded():
+                return (await ll._live_now(refresh=True))["w0"].num_free_blocks < 8
+            await until(w0_loaded, "w0's heartbeat to show the burst", TIMEOUT_S)
             assert [await ll.pick(probe) for _ in range(4)] == ["w1"] * 4
             short = [GenerateRequest(request_id=f"s{i}", prompt_token_ids=list(range(11 + i, 20 + i)),
                                      params=SamplingParams(max_tokens=4))
@@ -139,18 +138,12 @@ def test_policies_route_as_specified(cluster, tokenizer):
                       worker_id="w1")
             hashes = hash_full_blocks(prefix, 8)
             seeded = time.time()
-            for _ in range(100):
-                if state.prefix_matches(["w0", "w1"], hashes)["w1"] == 8:
-                    break
-                await asyncio.sleep(0.02)
+            await until(lambda: state.prefix_matches(["w0", "w1"], hashes)["w1"] == 8, "w1 to publish the prefix")
             # and loads measured after the seed ended: the heartbeat that published its blocks may
             # have been taken while it ran, showing w1 loaded (then w0 is the right pick: failed
             # once in a clean-clone CI run with ['w0', 'w1', 'w1'])
-            for _ in range(200):
-                loads = state.live_loads()
-                if all(l.timestamp > seeded and not (l.num_running or l.num_waiting) for l in loads.values()):
-                    break
-                await asyncio.sleep(0.02)
+            await until(lambda: all(l.timestamp > seeded and not (l.num_running or l.num_waiting)
+                                    for l in state.live_loads().values()), "idle heartbeats after the seed")
             hits_before = stats(cluster)["w1"]["prefix_cache_hits"]
             shared = [GenerateRequest(request_id=f"pa{i}", prompt_token_ids=prefix + [200 + i, 7],
                                       params=SamplingParams(max_tokens=2)) for i in range(3)]
@@ -199,11 +192,8 @@ def test_redis_restart_mid_load_keeps_serving(cluster, model_dirs):
         cluster.redis.restart()  # all cluster state is gone
         assert state.r.get("ftest:sentinel") is None, "Redis kept its state: it was not restarted"
         results = await asyncio.gather(*tasks)
-        for _ in range(100):  # the next heartbeats rebuild it
-            if sorted(state.live_loads()) == ["w0", "w1"]:
-                break
-            await asyncio.sleep(0.05)
-        assert sorted(state.live_loads()) == ["w0", "w1"]
+        # the next heartbeats rebuild it
+        await until(lambda: sorted(state.live_loads()) == ["w0", "w1"], "both workers to register again")
         after = await run(cluster.router, GenerateRequest(request_id="after", prompt_token_ids=ids[0], params=params))
         return results, after
     results, after = asyncio.run(main())

@@ -15,20 +15,20 @@ from folio.worker import InvalidRequestError, data_plane
 from folio.worker.messages import GenerateRequest
 from folio.worker.sampling_params import SamplingParams
 
-from conftest import PROMPTS
+from conftest import PROMPTS, until
 from test_worker_actor import GREEDY, _shutdown_workers, make_worker, model, offline, tokenizer  # noqa: F401 (fixtures)
 
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 
 
 async def _idle(w) -> dict:
-    for _ in range(300):
+    """The worker's stats once it has no stream, request, subscriber or used block."""
+    async def idle():
         s = await w.stats()
         if (s["num_streams"] == 0 and s["num_free_blocks"] == s["num_kv_blocks"] and s["num_running"] == 0
                 and s["num_subscribers"] == 0):
             return s
-        await asyncio.sleep(0.01)
-    return s
+    return await until(idle, "the worker idle", 60, interval_s=0.01)
 
 
 class _Conn:
@@ -108,6 +108,8 @@ def test_frames_carry_a_frontends_requests_and_a_closed_connection_aborts_them(m
         # the closed subscriber stays closed: a late submit on it is never run
         await w.commands("fe-1", [("submit", GenerateRequest(request_id="late", prompt_token_ids=[5, 6, 7],
                                                              params=LONG))])
+        # (commands() returns once its batch is applied: a late submit that ran shows at once)
+        assert (await w.stats())["num_streams"] == 0
         assert (await _idle(w))["num_streams"] == 0
         await w.check_invariants()
 

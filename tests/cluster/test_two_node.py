@@ -53,7 +53,7 @@ from folio.v1 import generate_pb2_grpc as pb_grpc  # noqa: E402
 from folio.worker import LLM, SamplingParams  # noqa: E402
 from folio.worker.messages import GenerateRequest  # noqa: E402
 
-from conftest import PROMPTS, redis_url_of  # noqa: E402
+from conftest import PROMPTS, redis_url_of, wait_for  # noqa: E402
 
 BIN = os.path.dirname(sys.executable)
 ENV = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0",
@@ -123,18 +123,6 @@ def stop_trees(procs: list[subprocess.Popen], term_s: float = 5.0) -> None:
     for p in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(timeout=5)
-
-
-def wait_for(fn, timeout_s: float, what: str, interval_s: float = 0.2):
-    """Poll `fn` until it returns something true; fail after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = fn()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s:.0f} s: {what}")
-        time.sleep(interval_s)
 
 
 def http_json(url: str, timeout_s: float = 10.0):

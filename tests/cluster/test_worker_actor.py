@@ -12,7 +12,7 @@ from folio.worker import LLM, EngineConfig, InvalidRequestError, LLMEngine, Samp
 from folio.worker.actor import EngineWorker
 from folio.worker.messages import GenerateRequest
 
-from conftest import PROMPTS
+from conftest import PROMPTS, until
 
 ENGINE = dict(block_size=8, num_kv_blocks=40, max_model_len=256, num_cpu_blocks=80, preemption_mode="swap")
 GREEDY = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -164,11 +164,10 @@ def test_a_frontends_channel_batches_its_requests_and_orders_its_aborts(model, o
                                            params=long))])
         await sub.__anext__()
         await sub.aclose()  # the frontend went away
-        for _ in range(200):
+        async def idle():
             st = await w.stats()
-            if st["num_streams"] == 0 and st["num_free_blocks"] == st["num_kv_blocks"]:
-                break
-            await asyncio.sleep(0.01)
+            return st if st["num_streams"] == 0 and st["num_free_blocks"] == st["num_kv_blocks"] else None
+        st = await until(idle, "the stream gone and its blocks free", 60, interval_s=0.01)
         assert st["num_streams"] == 0 and st["num_free_blocks"] == st["num_kv_blocks"] and st["num_subscribers"] == 0
         assert await w._call(lambda e: e.num_generated_tokens) - gen0 < 150, "the request ran on after the close"
         await w.check_invariants()
@@ -180,17 +179,19 @@ def test_closing_a_stream_aborts_the_request_and_frees_its_blocks(model):
     w = make_worker(model, "w0")
 
     async def main():
+        gen0 = await w._call(lambda e: e.num_generated_tokens)
         gen = w.generate(GenerateRequest(request_id="r", prompt_token_ids=list(range(20, 60)),
                                          params=SamplingParams(max_tokens=200, ignore_eos=True)))
         first = await gen.__anext__()
         assert first.deltas[0].token_ids
         await gen.aclose()  # the client went away
-        for _ in range(100):
+
+        async def free():
             st = await w.stats()
-            if st["num_free_blocks"] == st["num_kv_blocks"]:
-                break
-            await asyncio.sleep(0.01)
-        assert st["num_free_blocks"] == st["num_kv_blocks"] and st["num_running"] == 0
+            return st if st["num_free_blocks"] == st["num_kv_blocks"] else None
+        st = await until(free, "the closed stream's blocks free", 60, interval_s=0.01)
+        assert st["num_running"] == 0
+        assert await w._call(lambda e: e.num_generated_tokens) - gen0 < 150, "the request ran on after the close"
         # an explicit abort ends the stream with finish_reason "abort"
         gen = w.generate(GenerateRequest(request_id="r2", prompt_token_ids=list(range(20, 60)),
                                          params=SamplingParams(max_tokens=200, ignore_eos=True)))

@@ -22,7 +22,7 @@ import psutil
 import pytest
 import redis
 
-from conftest import _free_port, redis_url_of
+from conftest import _free_port, redis_url_of, wait_for
 from folio.cluster.state import ClusterState
 from folio.worker.hashing import hash_full_blocks
 
@@ -96,13 +96,6 @@ def get(server, path):
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode(errors="replace")
-
-
-def wait_for(pred, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(0.05)
 
 
 def load(server, stop: threading.Event, results: list, seed: int, max_requests: int = 400):

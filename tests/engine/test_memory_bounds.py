@@ -20,6 +20,8 @@ from folio.worker import EngineConfig, LLMEngine, SamplingParams
 from folio.worker.actor import EngineWorker
 from folio.worker.messages import GenerateRequest
 
+from conftest import until
+
 
 @given(st.integers(1, 1 << 16))
 def test_row_bucket_covers_and_pads_little(rows):
@@ -95,10 +97,9 @@ def test_worker_forgets_every_request(worker):
         for rnd in range(3):
             await _requests(worker, 60, rnd)
         # the aborts the closed streams sent run between steps: wait until the engine is idle
-        for _ in range(400):
-            if not await worker._call(lambda e: e.has_unfinished_requests()):
-                break
-            await asyncio.sleep(0.01)
+        async def idle():
+            return not await worker._call(lambda e: e.has_unfinished_requests())
+        await until(idle, "the engine idle", 60, interval_s=0.01)
         await worker.check_invariants()
         return await worker._call(lambda e: (len(e.groups), len(e.output_kinds), e.kv.num_free_blocks))
 
