@@ -8,12 +8,13 @@ import os
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from folio.worker import LLM, SamplingParams
 from folio.worker.errors import ModelLoadError
 from folio.worker.models import gguf_loader
 from folio.worker.models.model_config import ModelConfig
-from conftest import MIN_REFERENCE_MARGIN, SMOLLM2
+from conftest import MIN_REFERENCE_MARGIN, PROMPTS, SMOLLM2
 
 gguf = pytest.importorskip("gguf")
 
@@ -55,6 +56,44 @@ def test_unpermute_inverts_llama_cpp_permute():
         stored = w.reshape(heads, 2, dim // 2, cols).transpose(1, 2).reshape(w.shape)
         assert not torch.equal(stored, w)
         assert torch.equal(gguf_loader._unpermute(stored, heads), w)
+
+
+# ---- slices: a tensor-parallel rank decodes only its rows and columns ----------------------
+def _quantized(path: str, qtype: str, rows: int, cols: int, seed: int):
+    """A one-tensor GGUF file of `qtype`, (rows, cols), its gguf ReaderTensor."""
+    t = gguf.GGMLQuantizationType[qtype]
+    rng = np.random.default_rng(seed)
+    if qtype in ("Q4_K", "Q6_K"):  # gguf-py cannot quantize K-quants: random blocks, a finite scale
+        q = rng.integers(0, 256, (rows, gguf.GGML_QUANT_SIZES[t][1] * cols // 256), dtype=np.uint8)
+        if qtype == "Q6_K":
+            q[:, -2:] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+        else:
+            q[:, :4] = np.frombuffer(np.array([0.01, 0.02], np.float16).tobytes(), np.uint8)
+    else:
+        q = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), t)
+    wr = gguf.GGUFWriter(path, "llama")
+    wr.add_tensor("x", q, raw_dtype=t)
+    wr.write_header_to_file(), wr.write_kv_data_to_file(), wr.write_tensors_to_file(), wr.close()
+    return gguf_loader.open_gguf(path).tensors[0]
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(qtype=st.sampled_from(["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]),
+       rows=st.integers(1, 6), blocks=st.integers(1, 3), data=st.data())
+def test_a_slice_decodes_to_the_slice_of_the_whole(tmp_path_factory, qtype, rows, blocks, data):
+    """Any row range, and any column range (on block boundaries: those blocks' bytes only;
+    elsewhere the rows decoded and narrowed), equals the same slice of the whole tensor."""
+    cols = 256 * blocks
+    t = _quantized(str(tmp_path_factory.mktemp("q") / "t.gguf"), qtype, rows, cols, rows * 7 + blocks)
+    whole = gguf_loader.dequantize(t).numpy()
+    a = data.draw(st.integers(0, rows - 1))
+    b = data.draw(st.integers(a + 1, rows))
+    c = data.draw(st.integers(0, cols - 1) | st.sampled_from([0, 32, 256]).filter(lambda x: x < cols))
+    d = data.draw(st.integers(c + 1, cols) | st.just(cols))
+    assert np.array_equal(gguf_loader.dequantize(t, rows=(a, b)).numpy(), whole[a:b], equal_nan=True)
+    got = gguf_loader.dequantize(t, rows=(a, b), cols=(c, d))
+    assert got.shape == (b - a, d - c)
+    assert np.array_equal(got.numpy(), whole[a:b, c:d], equal_nan=True)
 
 
 # ---- bad files ----------------------------------------------------------------------------
@@ -320,11 +359,53 @@ def test_tiny_gguf_matches_its_safetensors(model_dirs, tmp_path, arch, gguf_arch
     path = _to_gguf(src, str(tmp_path / f"{arch}.gguf"), gguf_arch)
     c = ModelConfig.from_dir(path)
     assert c.tie_word_embeddings == (arch == "qwen2") and c.qkv_bias == (arch == "qwen2")
-    from conftest import PROMPTS
-
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     want = LLM(src, num_kv_blocks=256).generate(PROMPTS, params)
     got = LLM(path, tokenizer=src, num_kv_blocks=256).generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_every_rank_reads_its_shard_of_a_gguf_file_as_of_its_safetensors(model_dirs, tmp_path, size):
+    """A rank of `size` reads from a GGUF file (permuted Q/K, GQA 4/1: KV heads replicated) exactly
+    the weights it reads from the checkpoint the file was made from: its heads' rows of Q/K/V
+    un-permuted on their own, its columns of O and down, its MLP rows, its vocabulary rows."""
+    from folio.worker.models.loader import Weights
+    from folio.worker.tensor_parallel import Shards
+
+    src = model_dirs["mistral"]
+    gg, st_ = Weights(_to_gguf(src, str(tmp_path / "m.gguf"), "llama")), Weights(src)
+    c = ModelConfig.from_dir(src)
+    D = c.head_dim
+    assert sorted(gg.names()) == sorted(st_.names())
+    for rank in range(size):
+        sh = Shards.of(rank, size, c.num_heads, c.num_kv_heads, c.intermediate_size, c.vocab_size)
+        parts = {"q_proj": (0, sh.heads.start * D, sh.heads.stop * D),
+                 "k_proj": (0, sh.kv_heads.start * D, sh.kv_heads.stop * D),
+                 "v_proj": (0, sh.kv_heads.start * D, sh.kv_heads.stop * D),
+                 "o_proj": (1, sh.heads.start * D, sh.heads.stop * D),
+                 "gate_proj": (0, sh.intermediate.start, sh.intermediate.stop),
+                 "up_proj": (0, sh.intermediate.start, sh.intermediate.stop),
+                 "down_proj": (1, sh.intermediate.start, sh.intermediate.stop),
+                 "embed_tokens": (0, sh.vocab.start, sh.vocab.stop), "lm_head": (0, sh.vocab.start, sh.vocab.stop)}
+        for name in st_.names():
+            part = next((p for k, p in parts.items() if f".{k}." in name or name.startswith(f"{k}.")), None)
+            want = st_.get(name, part).float()
+            assert torch.equal(gg.get(name, part), want), (rank, name, part)
+    with pytest.raises(ModelLoadError, match="cut a head"):  # rows that split a head cannot un-permute
+        gg.get("model.layers.0.self_attn.q_proj.weight", (0, 0, D // 2))
+
+
+def test_tp2_on_a_gguf_file_gives_its_tp1_tokens(model_dirs, tmp_path):
+    src = model_dirs["mistral"]
+    path = _to_gguf(src, str(tmp_path / "m.gguf"), "llama")
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = LLM(path, tokenizer=src, num_kv_blocks=64).generate(PROMPTS[:4], params)
+    llm = LLM(path, tokenizer=src, num_kv_blocks=64, tensor_parallel_size=2)
+    try:
+        got = llm.generate(PROMPTS[:4], params)
+    finally:
+        llm.engine.runner.close()
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 

@@ -180,24 +180,49 @@ def _q4_1(blocks: torch.Tensor) -> torch.Tensor:  # 2-byte scale, 2-byte min, 16
 _BLOCK_DEQUANT = {"Q8_0": (34, _q8_0), "Q4_0": (18, _q4_0), "Q4_1": (20, _q4_1)}
 
 
-def dequantize(t) -> torch.Tensor:
-    """A gguf ReaderTensor as a float32 torch tensor in PyTorch's (row-major) shape."""
+def dequantize(t, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> torch.Tensor:
+    """A gguf ReaderTensor as a float32 torch tensor in PyTorch's (row-major) shape, or only its
+    rows [a, b) and columns [c, d) of a 2-D tensor. Each row of a GGUF tensor is stored whole (its
+    quantized blocks run along the row), so a row range reads only those rows' bytes; a column
+    range at block boundaries reads only those blocks, one elsewhere decodes the rows and narrows.
+    A tensor-parallel rank thus reads and decodes its own slice, never the whole model."""
     import gguf
 
     kind = t.tensor_type.name
-    shape = tuple(reversed([int(d) for d in t.shape]))
+    shape = [int(d) for d in reversed([int(d) for d in t.shape])]
     raw = np.asarray(t.data)
+    if (rows or cols) and len(shape) != 2:
+        raise ValueError(f"tensor {t.name!r}: a row or column slice of a {len(shape)}-D tensor")
+    if rows is not None:
+        raw, shape[0] = raw[rows[0]:rows[1]], rows[1] - rows[0]
+    narrow = None
+    if cols is not None:
+        # (quantized rows are bytes, float rows their elements)
+        elems, nbytes = gguf.GGML_QUANT_SIZES[t.tensor_type] if raw.dtype == np.uint8 else (1, 1)
+        if cols[0] % elems == 0 and (cols[1] % elems == 0 or cols[1] == shape[1]):
+            raw = raw[:, cols[0] // elems * nbytes:-(-cols[1] // elems) * nbytes]
+            shape[1] = cols[1] - cols[0]
+        else:  # not at a block boundary: decode the rows, keep the columns
+            narrow = cols
+    shape = tuple(shape)
+    w = _decode(t, kind, raw, shape if narrow is None else (shape[0], -1))
+    return w if narrow is None else w[:, narrow[0]:narrow[1]].contiguous()
+
+
+def _decode(t, kind: str, raw: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    import gguf
+
     if kind in ("F32", "F16"):
-        return torch.from_numpy(raw.astype(np.float32)).reshape(shape)
+        return torch.from_numpy(np.ascontiguousarray(raw).astype(np.float32)).reshape(shape)
     if kind == "BF16":
-        bits = torch.from_numpy(raw.reshape(-1).copy()).view(torch.int16).to(torch.int32) << 16
+        bits = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1).copy()).view(torch.int16).to(torch.int32) << 16
         return bits.view(torch.float32).reshape(shape)
     if kind in _BLOCK_DEQUANT:
         size, fn = _BLOCK_DEQUANT[kind]
-        blocks = torch.from_numpy(raw.reshape(-1).copy()).reshape(-1, size)
+        blocks = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1).copy()).reshape(-1, size)
         return fn(blocks).reshape(shape)
     try:  # the K-quants and the rest: gguf's own numpy dequantizers
-        return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, t.tensor_type),
+        return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(np.ascontiguousarray(raw), t.tensor_type),
                                                      dtype=np.float32)).reshape(shape)
     except NotImplementedError as e:
         raise ModelLoadError(f"tensor {t.name!r}: GGUF type {kind} cannot be dequantized: {e}") from e
@@ -219,24 +244,60 @@ def hf_name(name: str) -> str | None:
     return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
 
 
+class GGUFTensors:
+    """The file's tensors under Hugging Face names, decoded when asked and only the part asked
+    for (loader.Weights reads a GGUF file through it): a rank of N reads about 1/N of the
+    file, and no process holds a dequantized copy of the whole model beside the model it builds
+    (each tensor is decoded once, into the tensor the model keeps)."""
+
+    def __init__(self, path: str) -> None:
+        reader = open_gguf(path)
+        arch, _, permuted = architecture(reader, path)
+        cfg = config_dict(path, reader)
+        heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        self.path = path
+        self._tensors: dict[str, tuple[object, int | None]] = {}  # HF name -> (tensor, heads to un-permute)
+        for t in reader.tensors:
+            name = hf_name(t.name)
+            if name is None:
+                raise ModelLoadError(f"GGUF file {path!r}: tensor {t.name!r} has no place in a {arch} model")
+            n = (heads if ".q_proj." in name else kv_heads if ".k_proj." in name else None) if permuted else None
+            self._tensors[name] = (t, n)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed([int(d) for d in self._tensors[name][0].shape]))
+
+    def get(self, name: str, part: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """The tensor, or its rows (dim 0) / columns (dim 1) [start, stop). A row range of a
+        permuted Q/K projection must fall on head boundaries (a rank's heads always do): the
+        permutation stays within a head, so those rows un-permute on their own."""
+        t, n_head = self._tensors[name]
+        shape = self.shape(name)
+        if part is not None and len(shape) == 1:
+            dim, a, b = part
+            return dequantize(t)[a:b]
+        rows = (part[1], part[2]) if part is not None and part[0] == 0 else None
+        cols = (part[1], part[2]) if part is not None and part[0] == 1 else None
+        w = dequantize(t, rows, cols)
+        if n_head is not None:
+            per_head = shape[0] // n_head
+            a, b = rows or (0, shape[0])
+            if a % per_head or b % per_head:
+                raise ModelLoadError(f"GGUF tensor {name!r}: rows [{a}, {b}) cut a head of {per_head} rows")
+            w = _unpermute(w, (b - a) // per_head)
+        return w
+
+
 def load_state_dict(path: str) -> dict[str, torch.Tensor]:
     """The file's tensors under Hugging Face names, dequantized to float32, Q/K un-permuted."""
-    reader = open_gguf(path)
-    arch, _, permuted = architecture(reader, path)
-    cfg = config_dict(path, reader)
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    sd: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        name = hf_name(t.name)
-        if name is None:
-            raise ModelLoadError(f"GGUF file {path!r}: tensor {t.name!r} has no place in a {arch} model")
-        w = dequantize(t)
-        if permuted and ".q_proj." in name:
-            w = _unpermute(w, heads)
-        elif permuted and ".k_proj." in name:
-            w = _unpermute(w, kv_heads)
-        sd[name] = w
-    return sd
+    tensors = GGUFTensors(path)
+    return {name: tensors.get(name) for name in tensors.names()}
 
 
 def load_tokenizer(path: str):

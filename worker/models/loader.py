@@ -41,8 +41,8 @@ Part = tuple[int, int, int]  # (dim, start, stop): the slice of a weight a tenso
 
 class Weights:
     """A checkpoint's tensors by name, read on demand: a rank reads only its slice of each
-    (safetensors' get_slice), so N ranks hold one copy of the weights between them. A GGUF
-    file is dequantized whole (llama.cpp's blocks are not sliceable by row ranges here)."""
+    (safetensors' get_slice; a GGUF file's rows and blocks, gguf_loader.GGUFTensors), so N
+    ranks hold one copy of the weights between them."""
 
     def __init__(self, path: str) -> None:
         try:
@@ -52,10 +52,8 @@ class Weights:
             raise unreadable(e, path) from e
         except ValueError as e:  # model.safetensors.index.json
             raise ModelLoadError(f"the weight index in {path!r} is not valid JSON: {e}") from e
-        self.tensors: dict[str, torch.Tensor] = {}  # GGUF: dequantized, under Hugging Face names
+        self.gguf = gguf_loader.GGUFTensors(gguf_file) if gguf_file is not None else None
         self.files: dict[str, tuple[str, object]] = {}  # name -> (file, its open safetensors handle)
-        if gguf_file is not None:
-            self.tensors = gguf_loader.load_state_dict(gguf_file)
         for f in files:
             try:
                 open(f, "rb").close()  # safetensors reports an unreadable file as "No such file or directory"
@@ -67,21 +65,20 @@ class Weights:
                 raise ModelLoadError(f"cannot read weight file {f!r}: {e}") from e
 
     def __contains__(self, name: str) -> bool:
-        return name in self.tensors or name in self.files
+        return name in self.files if self.gguf is None else name in self.gguf
 
     def names(self) -> list[str]:
-        return list(self.tensors) + list(self.files)
+        return list(self.files) if self.gguf is None else self.gguf.names()
 
     def shape(self, name: str) -> tuple[int, ...]:
-        if name in self.tensors:
-            return tuple(self.tensors[name].shape)
+        if self.gguf is not None:
+            return self.gguf.shape(name)
         return tuple(self.files[name][1].get_slice(name).get_shape())
 
     def get(self, name: str, part: Part | None = None) -> torch.Tensor:
         """The tensor, or its rows (dim 0) / columns (dim 1) [start, stop)."""
-        if name in self.tensors:
-            t = self.tensors[name]
-            return t if part is None else t.narrow(part[0], part[1], part[2] - part[1])
+        if self.gguf is not None:
+            return self.gguf.get(name, part)
         f, st = self.files[name]
         try:
             if part is None:
