@@ -5,14 +5,16 @@
     async for chunk in cluster.router.generate(GenerateRequest(...)): ...
     cluster.shutdown(grace_s=10)             # stop admitting, drain, release everything
 
-One worker actor per GPU, or per group of N GPUs for a tensor-parallel worker (`num_gpus=N`;
-on a CPU-only machine `ray.init(num_gpus=...)` declares logical GPUs and each worker runs its
-engine on the CPU). Without a
+One worker actor per GPU; a tensor-parallel worker of N ranks is a placement group of N
+bundles (one GPU each, packed on one node), the worker actor in bundle 0 and its ranks 1..N-1
+as actors it starts in the others (worker/tp_ranks.py). On a CPU-only machine
+`ray.init(num_gpus=...)` declares logical GPUs and each rank runs on the CPU. Without a
 `redis_url` the cluster starts an embedded Redis server it owns and stops it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -136,6 +138,7 @@ class FolioCluster:
         self.state: ClusterState | None = None
         self._started_ray = False
         self._ray_temp_dir: str | None = None  # removed on shutdown
+        self.groups: dict[str, object] = {}  # worker id -> the placement group of its ranks (TP > 1)
 
     # ---- start ------------------------------------------------------------------------
     def start(self) -> "FolioCluster":
@@ -176,11 +179,8 @@ class FolioCluster:
     def start_worker(self, wid: str, Worker, engine_fields: dict, threads: int):
         cfg = self.config
         engine_config = EngineConfig(model=os.path.abspath(cfg.model), **engine_fields)
-        # one actor holds its group's N GPUs (Ray packs them on one node); its engine starts the
-        # other ranks as its own processes (worker/tp_runner.py), which end with it
         handle = Worker.options(name=actor_name(cfg.namespace, wid), namespace=cfg.namespace,
-                                num_gpus=engine_config.tensor_parallel_size,
-                                num_cpus=cfg.worker_num_cpus, max_concurrency=1000,
+                                **self._placement(wid, engine_config.tensor_parallel_size), max_concurrency=1000,
                                 # a worker that dies (or exits after its engine failed) is restarted:
                                 # a new engine, and its heartbeats register it again
                                 max_restarts=-1, max_task_retries=0,
@@ -190,6 +190,31 @@ class FolioCluster:
             exit_on_failure_s=WORKER_EXIT_GRACE_S)
         self.workers[wid] = handle
         return handle
+
+    def _placement(self, wid: str, ranks: int) -> dict:
+        """Where a worker actor goes: anywhere with a GPU; for N ranks, bundle 0 of a placement
+        group of N bundles (a GPU and 1/N of worker_num_cpus each, on one node: STRICT_PACK), its
+        ranks 1..N-1 in the others. A restarted worker comes back to bundle 0 and starts its ranks
+        again (the old ones die with their owner, the worker's old process)."""
+        cfg = self.config
+        if ranks == 1:
+            return {"num_gpus": 1, "num_cpus": cfg.worker_num_cpus}
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = {"GPU": 1, "CPU": cfg.worker_num_cpus / ranks}
+        name, pg = f"{actor_name(cfg.namespace, wid)}-ranks", None
+        if cfg.detached:  # a builder run again on the same cluster finds its groups
+            with contextlib.suppress(ValueError):
+                pg = ray.util.get_placement_group(name)
+        if pg is None:
+            pg = ray.util.placement_group([bundle] * ranks, strategy="STRICT_PACK", name=name,
+                                          lifetime="detached" if cfg.detached else None)
+        self.groups[wid] = pg
+        if not pg.wait(cfg.ready_timeout_s):
+            raise UnavailableError(f"worker {wid}: no node has {ranks} GPUs free for its tensor-parallel group")
+        return {"num_gpus": 1, "num_cpus": bundle["CPU"],
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)}
 
     def _lifetime(self) -> dict:
         return {"lifetime": "detached", "get_if_exists": True} if self.config.detached else {}
@@ -255,6 +280,10 @@ class FolioCluster:
                 except Exception:
                     pass
         self.workers.clear()
+        for pg in self.groups.values():  # and with them any rank still running
+            with contextlib.suppress(Exception):
+                ray.util.remove_placement_group(pg)
+        self.groups.clear()
         if self.redis is not None:
             self.redis.stop()
             self.redis = None

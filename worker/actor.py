@@ -239,6 +239,10 @@ class EngineWorker(FrontendChannels, Migrations, StepLoop, LoadReports):
         """The process running this worker (fault tests kill it)."""
         return os.getpid()
 
+    async def process_ids(self) -> list[int]:
+        """This process, then each follower rank's (a tensor-parallel group's; fault tests)."""
+        return await self._call(lambda e: e.process_ids())
+
     def shutdown(self) -> None:
         """Stop the step and publisher threads and wait for them: a thread still running
         at interpreter exit would die inside the engine's tensors."""

@@ -240,6 +240,10 @@ class LLMEngine(RequestQueries, Postprocess):
         were lost (the caller then re-sends cached_block_hashes())."""
         return self.kv.prefix_cache_changes()
 
+    def process_ids(self) -> list[int]:
+        """This process, then each follower rank's (tensor parallelism)."""
+        return self.runner.process_ids()
+
     def check_invariants(self) -> None:
         """Every block free or owned by a live sequence; ref counts equal table references."""
         self.kv.check_invariants(self.live_sequences())

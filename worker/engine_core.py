@@ -55,3 +55,4 @@ class EngineCore(Protocol):
 
     # ---- tests and fault checks
     def check_invariants(self) -> None: ...  # AssertionError on a leaked block or a wrong ref count
+    def process_ids(self) -> list[int]: ...  # this process, then each follower rank's

@@ -15,6 +15,7 @@ ModelRunner is the engine's Runner (runner.py) on a real model: `run` = prepare 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -123,6 +124,9 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, params: list, generators: list, seqs: list[Sequence], eos_token_ids,
                grammars) -> SampleResult:
         return sample(logits, params, generators, seqs, eos_token_ids, grammars)
+
+    def process_ids(self) -> list[int]:
+        return [os.getpid()]
 
     def healthy(self) -> bool:
         """A forward of one dummy token that writes no KV (slot -1); .item() syncs, so a device

@@ -63,6 +63,9 @@ class Runner(Protocol):
     def healthy(self) -> bool:
         """A probe forward that writes no KV: False when the device or the model is broken."""
 
+    def process_ids(self) -> list[int]:
+        """The processes holding the model: this one, then each follower rank's (fault tests)."""
+
     def read_blocks(self, blocks: list[int], on_host: bool) -> torch.Tensor:
         """A copy on the CPU of device (or swap-space) blocks: [len(blocks), *block_shape]."""
 
@@ -73,19 +76,20 @@ class Runner(Protocol):
 def load_runner(config: EngineConfig) -> ModelRunner:
     """The checkpoint of `config.model` on `config.device`: its weights, a KV cache sized by
     size_engine, its tokenizer and EOS ids; with tensor_parallel_size N > 1, rank 0's shard
-    and N - 1 follower processes holding the others (tp_runner.py). Every inconsistency is a
+    and N - 1 followers holding the others (Ray actors in this worker's placement group, or
+    processes: tp_ranks.py). Every inconsistency is a
     ConfigError or a ModelLoadError, raised before the weights load where it can be."""
     if config.tensor_parallel_size == 1:
         return load_shard(config)[0]
     import torch
 
-    from folio.worker.tp_runner import free_port, start_followers
+    from folio.worker.tp_ranks import free_port, start_followers
 
     port = free_port()
     shard_config(config, 0)  # a ConfigError before any process starts
-    procs = start_followers(config, port, max(torch.get_num_threads() // config.tensor_parallel_size, 1))
+    procs, own_device = start_followers(config, port, max(torch.get_num_threads() // config.tensor_parallel_size, 1))
     try:
-        runner, _ = load_shard(config, 0, port, procs)
+        runner, _ = load_shard(config, 0, port, procs, own_device)
     except BaseException:
         for p in procs:
             p.kill()
@@ -102,8 +106,10 @@ def shard_config(config: EngineConfig, rank: int):
                          mc.vocab_size)
 
 
-def load_shard(config: EngineConfig, rank: int = 0, port: int | None = None, followers: list = ()):
-    """(rank `rank`'s runner, its group): the whole model when tensor_parallel_size is 1."""
+def load_shard(config: EngineConfig, rank: int = 0, port: int | None = None, followers: list = (),
+               own_device: bool = False):
+    """(rank `rank`'s runner, its group): the whole model when tensor_parallel_size is 1.
+    `own_device`: this process sees only its rank's GPU (Ray gave it one): config.device as is."""
     import torch
 
     from folio.worker.detokenizer import load_tokenizer
@@ -116,7 +122,7 @@ def load_shard(config: EngineConfig, rank: int = 0, port: int | None = None, fol
     mc, shards = shard_config(config, rank)
     sizes = size_engine(config, mc)
     device, dtype = torch.device(config.device), config.torch_dtype
-    if device.type == "cuda" and shards.size > 1:  # rank r on the r-th device from config.device's
+    if device.type == "cuda" and shards.size > 1 and not own_device:  # rank r: the r-th device from config.device's
         device = torch.device("cuda", (device.index or 0) + rank)
     group = Group(shards) if shards.size == 1 else Group.join(shards, "127.0.0.1", port)
     model = load_model(config.model, dtype, device, sizes.max_model_len, mc, group)

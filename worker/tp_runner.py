@@ -1,5 +1,6 @@
 """The runner of a tensor-parallel engine (tensor_parallel.py): rank 0 in the engine's
-process, ranks 1..N-1 in follower processes it starts.
+process, ranks 1..N-1 in followers it starts (Ray actors in its placement group, or
+processes: tp_ranks.py).
 
 Rank 0 owns the scheduler, the block manager and the block tables (the engine's). Before
 each operation on the KV cache or the model it announces it to the followers (one
@@ -19,10 +20,8 @@ fault isolation cannot re-run parts of a batch on a group, so no single request 
 
 from __future__ import annotations
 
-import pickle
-import socket
+import os
 import subprocess
-import sys
 import weakref
 
 import torch
@@ -39,7 +38,7 @@ class TPModelRunner(ModelRunner):
     followers: list
 
     def attach(self, group: Group, followers: list) -> None:
-        """The group this rank 0 leads and the follower processes; they stop with the runner."""
+        """The group this rank 0 leads and its followers (tp_ranks.py); they stop with the runner."""
         self.group, self.followers = group, followers
         self._finalizer = weakref.finalize(self, _stop, group, followers)
 
@@ -51,6 +50,9 @@ class TPModelRunner(ModelRunner):
         self._finalizer()
 
     broken: str | None = None  # why the group can no longer run a step
+
+    def process_ids(self) -> list[int]:
+        return [os.getpid()] + [f.pid for f in self.followers]
 
     def run(self, scheduled, kv):
         if self.broken is not None:
@@ -140,37 +142,3 @@ def follow(runner: ModelRunner, group: Group) -> None:
         elif op == "write":
             blocks, data = args
             runner.write_host_blocks(blocks, rank_share(data, group))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def follower_main() -> None:
-    """A follower process's entry: (config, rank, port, threads) pickled on stdin."""
-    config, rank, port, threads = pickle.loads(sys.stdin.buffer.read())
-    torch.set_num_threads(threads)
-    from folio.worker.runner import load_shard
-
-    runner, group = load_shard(config, rank, port)
-    try:
-        follow(runner, group)
-    finally:
-        group.close()
-
-
-def start_followers(config, port: int, threads: int) -> list[subprocess.Popen]:
-    """Ranks 1..N-1, each in a fresh interpreter (not multiprocessing: no re-import of the
-    caller's __main__, no fork of a process holding threads). They exit with rank 0's stop,
-    or when their group breaks."""
-    procs = []
-    for rank in range(1, config.tensor_parallel_size):
-        p = subprocess.Popen([sys.executable, "-c", "from folio.worker.tp_runner import follower_main; "
-                              "follower_main()"], stdin=subprocess.PIPE)
-        p.stdin.write(pickle.dumps((config, rank, port, threads)))
-        p.stdin.close()
-        procs.append(p)
-    return procs
-

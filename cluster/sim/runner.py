@@ -13,6 +13,7 @@ export / import, the worker around it. Prompts are token ids only (no tokenizer)
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 import weakref
 
@@ -76,6 +77,9 @@ class RooflineRunner:
 
     def healthy(self) -> bool:
         return True
+
+    def process_ids(self) -> list[int]:
+        return [os.getpid()]
 
     def read_blocks(self, blocks: list[int], on_host: bool) -> torch.Tensor:
         return torch.empty(len(blocks), *self.block_shape)

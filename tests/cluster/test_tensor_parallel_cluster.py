@@ -1,12 +1,12 @@
-"""Tensor-parallel workers in a real cluster (Ray, Redis, router): two TP=2 workers (each an
-actor holding two logical GPUs, its second rank a process of its own) beside a TP=1 worker.
+"""Tensor-parallel workers in a real cluster (Ray, Redis, router): two TP=2 workers (each a
+placement group of two logical GPUs: the worker actor in bundle 0, its second rank a Ray actor
+in bundle 1) beside a TP=1 worker.
 Each serves transformers' greedy tokens; a request moves between the TP=2 workers with every
 rank's KV and is refused by the TP=1 one; a killed rank fails its group, which restarts whole."""
 
 import asyncio
 import os
 import signal
-import time
 
 import pytest
 
@@ -17,7 +17,7 @@ from folio.cluster.launcher import ClusterConfig, FolioCluster  # noqa: E402
 from folio.worker import SamplingParams  # noqa: E402
 from folio.worker.errors import FolioError  # noqa: E402
 from folio.worker.messages import GenerateRequest  # noqa: E402
-from conftest import PROMPTS  # noqa: E402
+from conftest import PROMPTS, wait_for  # noqa: E402
 
 ENGINE = dict(block_size=8, num_kv_blocks=64, num_cpu_blocks=64, max_model_len=256, preemption_mode="swap")
 TIMEOUT_S = 120
@@ -56,8 +56,26 @@ async def collect(cluster, req, worker_id, on_token=None):
 
 
 def followers(cluster, wid):
-    pid = ray.get(cluster.workers[wid].pid.remote())
-    return pid, [p for p in psutil.Process(pid).children() if "follower_main" in " ".join(p.cmdline())]
+    """(the worker's pid, its follower ranks' processes)."""
+    pid, *ranks = ray.get(cluster.workers[wid].process_ids.remote())
+    return pid, [psutil.Process(p) for p in ranks]
+
+
+def dead(p: psutil.Process) -> bool:
+    return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_tp2_worker_is_a_placement_group_with_one_rank_actor_per_bundle(cluster):
+    from ray.util import placement_group_table
+
+    assert set(cluster.groups) == {"w0", "w1"}  # the TP=1 worker needs none
+    for wid in ("w0", "w1"):
+        table = placement_group_table(cluster.groups[wid])
+        assert table["state"] == "CREATED" and table["strategy"] == "STRICT_PACK"
+        assert [b.get("GPU") for b in table["bundles"].values()] == [1.0, 1.0]
+        pid, (rank1,) = followers(cluster, wid)
+        assert "RankActor" in " ".join(rank1.cmdline())  # a Ray actor, not a child process of the worker
+        assert rank1.pid not in {c.pid for c in psutil.Process(pid).children(recursive=True)}
 
 
 def test_tp2_and_tp1_workers_serve_hf_tokens(cluster, tokenizer, model_dirs, hf_reference):
@@ -104,11 +122,9 @@ def test_a_request_moves_between_tp2_workers_and_a_tp1_worker_refuses_it(cluster
 
 def test_a_killed_rank_fails_its_group_which_restarts_whole(cluster, tokenizer, model_dirs, hf_reference):
     pid, (follower,) = followers(cluster, "w1")
+    worker = psutil.Process(pid)
     follower.send_signal(signal.SIGKILL)
-    deadline = time.monotonic() + 10  # not our child: dead once it is a zombie (its parent, the worker, reaps it)
-    while psutil.pid_exists(follower.pid) and follower.status() != psutil.STATUS_ZOMBIE:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for(lambda: dead(follower), 10, "the killed rank to die")
 
     async def after_kill():
         try:
@@ -117,17 +133,14 @@ def test_a_killed_rank_fails_its_group_which_restarts_whole(cluster, tokenizer, 
             return e
     err = asyncio.run(after_kill())
     assert isinstance(err, FolioError), "a request on the broken group did not fail"
-    deadline = time.monotonic() + TIMEOUT_S
-    while True:  # Ray restarts the worker: a new process, a new follower, registered again
+    def restarted():  # Ray restarts the worker: a new process, a new rank actor, registered again
         try:
             new_pid, fs = followers(cluster, "w1")
-        except Exception:
-            new_pid, fs = pid, []
-        if new_pid != pid and len(fs) == 1 and "w1" in cluster.state.live_loads():
-            break
-        assert time.monotonic() < deadline, "the group did not restart"
-        time.sleep(0.2)
-    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except Exception:  # the old process is gone, the new one not up yet
+            return None
+        return (new_pid, fs) if new_pid != pid and len(fs) == 1 and "w1" in cluster.state.live_loads() else None
+    new_pid, (new_follower,) = wait_for(restarted, TIMEOUT_S, "the group to restart", interval_s=0.2)
+    assert dead(worker) and new_follower.pid != follower.pid
 
     async def again():
         return await asyncio.wait_for(collect(cluster, request("k2", tokenizer, PROMPTS[0]), "w1"), TIMEOUT_S)

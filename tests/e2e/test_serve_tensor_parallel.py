@@ -1,6 +1,6 @@
 """`folio serve --tensor-parallel-size 2` as a user runs it: one worker whose model is sharded
 over two ranks (two logical GPUs on this CPU), answering the OpenAI API with the text one
-rank gives, the second rank a process that ends with the server."""
+rank gives, the second rank a Ray actor (in the worker's placement group) that ends with the server."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def test_folio_serve_with_a_tp2_worker_answers_as_one_rank(model_dirs):
         PROMPTS[:2], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))]
     with folio_serve(model, "--num-workers", "1", "--tensor-parallel-size", "2", "--block-size", "8",
                      "--num-kv-blocks", "128", "--namespace", "fetp", "--grace-period-s", "1") as server:
-        followers = [p for p in psutil.Process(server["pid"]).children(recursive=True)
-                     if "follower_main" in " ".join(p.cmdline())]
+        followers = [p for p in psutil.Process(server["pid"]).children(recursive=True)  # Ray's workers too
+                     if "RankActor" in " ".join(p.cmdline())]
         assert len(followers) == 1, "the worker's second rank is not running"
         got = [complete(server, p)["choices"][0]["text"] for p in PROMPTS[:2]]
     assert got == expected
