@@ -68,6 +68,10 @@ class EngineConfig:
     tokenizer: str | None = _opt(None, "the tokenizer's directory (default: the model's own)")
     tensor_parallel_size: int = _opt(1, "ranks (processes, one device each) the model is sharded over "
                                         "(worker/tensor_parallel.py)")
+    forward_lanes: int | None = _opt(None, "on a CPU: split a step's batch over this many threads of one OpenMP "
+                                           "thread each (worker/forward_lanes.py; an experiment, no served gain "
+                                           "measured yet); default: $FOLIO_FORWARD_LANES, else 1 (one forward "
+                                           "on torch's threads)")
     warm_up: bool = _opt(False, "build the linear kernels' per-shape state for every batch size at load "
                                 "(kernels/linear.py): a server's memory stays flat under any batch mix; costs seconds")
 
@@ -77,6 +81,8 @@ class EngineConfig:
                 check_choice(f.name, getattr(self, f.name), f.metadata["choices"])
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.forward_lanes is not None and self.forward_lanes < 1:
+            raise ConfigError(f"forward_lanes must be >= 1, got {self.forward_lanes}")
         if self.block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
         if self.swap_space_gb < 0 or (self.num_cpu_blocks is not None and self.num_cpu_blocks < 0):

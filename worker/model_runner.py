@@ -15,6 +15,7 @@ ModelRunner is the engine's Runner (runner.py) on a real model: `run` = prepare 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 
@@ -113,13 +114,31 @@ class ModelRunner:
         """Build the linear layers' per-shape kernel state for every batch size the engine can
         run (kernels/linear.py: warm_row_buckets); the LM head only sees sampled rows."""
         m = self.model
-        layers = [lin for layer in m.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        return warm_row_buckets(layers + [(m.lm_head, max_num_seqs)], max_num_tokens)
+        layers = [lin for layer in m.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [
+            (m.lm_head, max_num_seqs)]
+        if self.lanes is None:
+            return warm_row_buckets(layers, max_num_tokens)
+        # oneDNN's state is per thread count: the lanes run on one thread, this one on n (wide)
+        self.lanes.each(lambda: warm_row_buckets(layers, max_num_tokens))
+        with self.lanes.wide():
+            return warm_row_buckets(layers, max_num_tokens)
+
+    lanes = None  # forward_lanes.Lanes: a CPU batch split over one-thread lanes (load_shard sets it)
 
     def run(self, scheduled: list[tuple[Sequence, int]], kv: KVCacheManager
             ) -> tuple[list[Sequence], torch.Tensor | None]:
-        inputs = self.prepare(scheduled, kv)
-        return inputs.sample_seqs, self.execute(inputs)
+        parts = self.lanes.split(scheduled) if self.lanes is not None else None
+        if parts is None:
+            inputs = self.prepare(scheduled, kv)
+            with self.lanes.wide() if self.lanes is not None else contextlib.nullcontext():
+                return inputs.sample_seqs, self.execute(inputs)
+        prepared = [self.prepare(part, kv) for part in parts]
+        logits = [x for x in self.lanes.map(self.execute, prepared) if x is not None]
+        return [s for inputs in prepared for s in inputs.sample_seqs], (torch.cat(logits) if logits else None)
+
+    def close(self) -> None:
+        if self.lanes is not None:
+            self.lanes.close()
 
     def sample(self, logits: torch.Tensor, params: list, generators: list, seqs: list[Sequence], eos_token_ids,
                grammars) -> SampleResult:

@@ -15,6 +15,7 @@ a batch after a fault (fault_isolation.py): they keep nothing until they return.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -142,6 +143,11 @@ def load_shard(config: EngineConfig, rank: int = 0, port: int | None = None, fol
         from folio.worker.tp_runner import TPModelRunner as cls
     runner = cls(model, sizes.num_kv_blocks, config.block_size, dtype, device, sizes.num_cpu_blocks,
                  layout=config.kv_cache_layout, info=info)
+    lanes = config.forward_lanes or int(os.environ.get("FOLIO_FORWARD_LANES", 1))  # off unless asked: README
+    if device.type == "cpu" and shards.size == 1 and lanes > 1:
+        from folio.worker.forward_lanes import Lanes
+
+        runner.lanes = Lanes(lanes)
     if shards.size > 1:
         runner.attach(group, list(followers))
     if config.warm_up:  # memory flat from here on

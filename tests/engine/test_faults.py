@@ -81,8 +81,13 @@ def faults_site(rid, reqs):
 
 @pytest.fixture(scope="module")
 def engine(model_dirs):
-    e = LLMEngine(EngineConfig(model=model_dirs["llama"], **ENGINE))
-    return e
+    # every batch of two or more requests split over two forward lanes (forward_lanes.py): a
+    # fault raised in one lane is the batch's, and bisection blames the same requests
+    import folio.worker.forward_lanes as forward_lanes
+
+    min_seqs, forward_lanes.MIN_SEQS_PER_LANE = forward_lanes.MIN_SEQS_PER_LANE, 1
+    yield LLMEngine(EngineConfig(model=model_dirs["llama"], forward_lanes=2, **ENGINE))
+    forward_lanes.MIN_SEQS_PER_LANE = min_seqs
 
 
 @pytest.fixture(scope="module")

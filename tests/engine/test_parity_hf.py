@@ -86,3 +86,27 @@ def test_n_greedy_completions_all_match_hf(model_dirs, hf_reference):
     ref = hf_reference(model_dirs["qwen2"], PROMPTS[:3], MAX_TOKENS)
     for o, r in zip(outs, ref):
         assert [c.token_ids for c in o.outputs] == [r, r, r]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_a_batch_split_over_forward_lanes_matches_hf(model_dirs, hf_reference, arch, chunk, monkeypatch):
+    # every batch of two or more requests split over two one-thread lanes (forward_lanes.py),
+    # with chunked prefills beside decodes (7 tokens a step), n=2 kept in one lane, preemption
+    import folio.worker.forward_lanes as forward_lanes
+
+    monkeypatch.setattr(forward_lanes, "MIN_SEQS_PER_LANE", 1)
+    llm = LLM(model_dirs[arch], block_size=4, num_kv_blocks=40, forward_lanes=2, max_num_batched_tokens=chunk)
+    splits = []
+    real_map = llm.engine.runner.lanes.map
+    monkeypatch.setattr(llm.engine.runner.lanes, "map", lambda fn, items: splits.append(len(items)) or
+                        real_map(fn, items))
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert splits and set(splits) == {2}, "no batch was split"
+    assert llm.engine.stats().num_preemptions > 0, "the test did not cause preemption"
+    assert_same(outs, hf_reference(model_dirs[arch], PROMPTS, MAX_TOKENS))
+    two = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, n=2))
+    for o, r in zip(two, hf_reference(model_dirs[arch], PROMPTS[:2], MAX_TOKENS)):
+        assert [c.token_ids for c in o.outputs] == [r, r]
+    llm.engine.check_invariants()
+    assert llm.engine.kv.num_free_blocks == 40
