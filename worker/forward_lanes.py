@@ -34,8 +34,8 @@ MIN_SEQS_PER_LANE = 16
 def _one_thread(ready: threading.Barrier) -> None:
     import torch
 
-    torch.set_num_threads(1)  # this thread's OpenMP count (and torch's default for new threads:
-    ready.wait()              # Lanes.__init__ puts that back)
+    torch.set_num_threads(1)  # this thread's OpenMP count (and torch's default for new threads)
+    ready.wait()
 
 
 def split(scheduled: list, lanes: int, min_per_lane: int) -> list[list] | None:
@@ -107,6 +107,3 @@ class Lanes:
             barrier.wait()  # one call per lane: none takes a second before all have one
             fn()
         self.map(run, range(self.n))
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)

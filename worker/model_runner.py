@@ -15,7 +15,6 @@ ModelRunner is the engine's Runner (runner.py) on a real model: `run` = prepare 
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass, field
 
@@ -130,15 +129,13 @@ class ModelRunner:
         parts = self.lanes.split(scheduled) if self.lanes is not None else None
         if parts is None:
             inputs = self.prepare(scheduled, kv)
-            with self.lanes.wide() if self.lanes is not None else contextlib.nullcontext():
+            if self.lanes is None:
+                return inputs.sample_seqs, self.execute(inputs)
+            with self.lanes.wide():
                 return inputs.sample_seqs, self.execute(inputs)
         prepared = [self.prepare(part, kv) for part in parts]
         logits = [x for x in self.lanes.map(self.execute, prepared) if x is not None]
         return [s for inputs in prepared for s in inputs.sample_seqs], (torch.cat(logits) if logits else None)
-
-    def close(self) -> None:
-        if self.lanes is not None:
-            self.lanes.close()
 
     def sample(self, logits: torch.Tensor, params: list, generators: list, seqs: list[Sequence], eos_token_ids,
                grammars) -> SampleResult:
