@@ -145,21 +145,24 @@ class ModelRunner:
         return [os.getpid()]
 
     def healthy(self) -> bool:
-        """A forward of one dummy token that writes no KV (slot -1); .item() syncs, so a device
-        error surfaces here."""
         try:
-            dev = self.device
-            meta = AttentionMetadata(slot_mapping=torch.tensor([-1], dtype=torch.long, device=dev),
-                                     block_tables=torch.zeros((1, 1), dtype=torch.int32, device=dev),
-                                     seq_lens=torch.ones(1, dtype=torch.int32, device=dev),
-                                     query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=dev))
-            self._plan(meta)
-            zero = torch.zeros(1, dtype=torch.long, device=dev)
-            hidden = self.model.forward(zero, zero, meta, self.kv_caches)
-            self.model.compute_logits(hidden).float().sum().item()
+            self.probe()
             return True
         except Exception:
             return False
+
+    def probe(self) -> None:
+        """A forward of one dummy token that writes no KV (slot -1), and one LM-head call;
+        .item() syncs, so a device error surfaces here (raised)."""
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping=torch.tensor([-1], dtype=torch.long, device=dev),
+                                 block_tables=torch.zeros((1, 1), dtype=torch.int32, device=dev),
+                                 seq_lens=torch.ones(1, dtype=torch.int32, device=dev),
+                                 query_start_loc=torch.tensor([0, 1], dtype=torch.int32, device=dev))
+        self._plan(meta)
+        zero = torch.zeros(1, dtype=torch.long, device=dev)
+        hidden = self.model.forward(zero, zero, meta, self.kv_caches)
+        self.model.compute_logits(hidden).float().sum().item()
 
     def read_blocks(self, blocks: list[int], on_host: bool) -> torch.Tensor:
         src = self.host_blocks if on_host else self.kv_blocks

@@ -25,7 +25,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from folio.worker.errors import ConfigError
+from folio.worker.errors import ConfigError, EngineFailedError
+from folio.worker.fault_isolation import describe
+
+STATUS_BYTES = 256  # a rank's outcome of a step: a failed flag and the start of its reason
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,8 @@ class Group:
         self.pg = pg
         self.store = None  # the rendezvous (rank 0 hosts it), kept alive as long as the group
         self.collective_seconds = 0.0  # this rank's wall time in the model's all-reduces and all-gathers
+        self.issued = 0  # collectives this rank took part in since the step began (guarded_step)
+        self.broken: str | None = None  # why a collective itself failed: the ranks are out of step for good
 
     @classmethod
     def join(cls, shards: Shards, host: str, port: int, timeout_s: float = 60.0) -> "Group":
@@ -117,21 +122,54 @@ class Group:
     def rank(self) -> int:
         return self.shards.rank
 
+    def _collective(self, work) -> None:
+        """Run one collective (a callable returning its Work); a failure marks the group broken."""
+        if self.broken is not None:
+            raise EngineFailedError(self.broken)
+        t0 = time.perf_counter()
+        try:
+            work().wait()
+        except Exception as e:  # a rank died or timed out: no later collective can line up
+            self.broken = f"tensor-parallel group broken in a collective: {type(e).__name__}: {e}"
+            raise EngineFailedError(self.broken) from e
+        finally:
+            self.collective_seconds += time.perf_counter() - t0
+        self.issued += 1
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.pg is not None:
-            t0 = time.perf_counter()
-            self.pg.allreduce([x]).wait()
-            self.collective_seconds += time.perf_counter() - t0
+            self._collective(lambda: self.pg.allreduce([x]))
         return x
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self.pg is None:
             return [x]
-        t0 = time.perf_counter()
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        self.pg.allgather([parts], [x.contiguous()]).wait()
-        self.collective_seconds += time.perf_counter() - t0
+        x = x.contiguous()
+        self._collective(lambda: self.pg.allgather([parts], [x]))
         return parts
+
+    def drain(self, plan: list[tuple[str, tuple, torch.dtype]], device) -> None:
+        """The collectives of `plan` this rank has not taken part in yet this step, on zeros:
+        a rank whose part of a step raised keeps the others' collectives lined up."""
+        for op, shape, dtype in plan[self.issued:]:
+            zeros = torch.zeros(shape, dtype=dtype, device=device)
+            self.all_reduce(zeros) if op == "all_reduce" else self.all_gather(zeros)
+
+    def agree(self, err: BaseException | None) -> tuple[int, str] | None:
+        """Every rank's outcome of a step, exchanged in one all-gather: (the first rank that
+        failed, its reason), or None when every rank succeeded."""
+        if self.pg is None:
+            return None if err is None else (0, describe(err))
+        status = torch.zeros(STATUS_BYTES, dtype=torch.uint8)
+        if err is not None:
+            reason = describe(err).encode()[: STATUS_BYTES - 1]
+            status[0] = 1
+            status[1: 1 + len(reason)] = torch.frombuffer(bytearray(reason), dtype=torch.uint8)
+        for rank, part in enumerate(self.all_gather(status)):
+            if part[0]:
+                return rank, bytes(part[1:].tolist()).rstrip(b"\0").decode(errors="replace")
+        return None
 
     def broadcast(self, obj=None):
         """Rank 0's `obj` (pickled) on every rank."""
@@ -144,10 +182,10 @@ class Group:
             n = torch.tensor([data.numel()], dtype=torch.long)
         else:
             n = torch.zeros(1, dtype=torch.long)
-        self.pg.broadcast([n], opts).wait()
+        self._collective(lambda: self.pg.broadcast([n], opts))
         if self.rank != 0:
             data = torch.empty(int(n.item()), dtype=torch.uint8)
-        self.pg.broadcast([data], opts).wait()
+        self._collective(lambda: self.pg.broadcast([data], opts))
         return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
 
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:

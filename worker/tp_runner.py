@@ -12,10 +12,13 @@ SchedulerOutput broadcast), then every rank runs it on its shard:
     read    (export) each rank's share, gathered on rank 0: blocks carry every rank's heads
     write   (import) each rank takes its heads' share
 
-A follower that dies makes rank 0's next collective raise: the engine fails its requests
-(fault_isolation.py) and the worker restarts as a whole. A step that raises on rank 0 after
-it was announced breaks the group too (the followers may be inside one of its collectives):
-fault isolation cannot re-run parts of a batch on a group, so no single request is blamed.
+A step that raises on one rank leaves the group in step (guarded_step): that rank takes part
+in the rest of the step's collectives on zeros (the model's collective_plan), then all ranks
+exchange their outcomes in one all-gather. Rank 0 raises RankStepError, an ordinary fault, so
+fault isolation (fault_isolation.py) re-runs halves of the batch as new steps down to the
+requests that fail alone, on whichever rank they fail: one request cannot take the group
+down. A collective that fails (a follower died, a timeout) breaks the group for good: the
+engine fails its requests and the worker restarts as a whole.
 """
 
 from __future__ import annotations
@@ -43,30 +46,26 @@ class TPModelRunner(ModelRunner):
         self._finalizer = weakref.finalize(self, _stop, group, followers)
 
     def close(self) -> None:
-        if self.broken is not None:  # the followers may sit in a collective: no stop broadcast
+        if self.group.broken is not None:  # the followers may sit in a collective: no stop broadcast
             self.group.close()
             for p in self.followers:
                 p.kill()
         self._finalizer()
 
-    broken: str | None = None  # why the group can no longer run a step
-
     def process_ids(self) -> list[int]:
         return [os.getpid()] + [f.pid for f in self.followers]
 
     def run(self, scheduled, kv):
-        if self.broken is not None:
-            raise EngineFailedError(self.broken)
+        if self.group.broken is not None:
+            raise EngineFailedError(self.group.broken)
         inputs = self.prepare(scheduled, kv)  # nothing announced yet: a fault here is the batch's
-        try:
-            batches = self.logit_batches(inputs)
-            self.group.broadcast(("run", step_tensors(inputs), batches))
-            return inputs.sample_seqs, self.execute(inputs, batches)
-        except Exception as e:
-            # the followers may be waiting in a collective of this step: no other step (nor
-            # fault isolation's re-runs of parts of it) can run on this group any more
-            self.broken = f"tensor-parallel group broken in a step: {type(e).__name__}: {e}"
-            raise EngineFailedError(self.broken) from e
+        batches = self.logit_batches(inputs)
+        self.group.broadcast(("run", step_tensors(inputs), batches))
+        plan = self.model.collective_plan(inputs.input_ids.numel(), [len(b) for b in batches])
+        logits, failed = guarded_step(self.group, plan, self.device, lambda: self.execute(inputs, batches))
+        if failed is not None:
+            raise RankStepError(f"rank {failed[0]} of the tensor-parallel group: {failed[1]}")
+        return inputs.sample_seqs, logits
 
     def swap(self, swap_out, swap_in) -> int:
         if swap_out or swap_in:
@@ -79,13 +78,15 @@ class TPModelRunner(ModelRunner):
         super().copy_blocks(pairs)
 
     def healthy(self) -> bool:
-        if self.broken is not None:
+        """Every rank's probe (a dummy forward and LM-head call) passes."""
+        if self.group.broken is not None:
             return False
         try:
             self.group.broadcast(("probe",))
+            _, failed = guarded_step(self.group, self.model.collective_plan(1, [1]), self.device, self.probe)
         except Exception:
             return False
-        return super().healthy()
+        return failed is None
 
     @property
     def block_shape(self) -> tuple[int, ...]:  # every rank's KV heads, rank after rank
@@ -123,6 +124,36 @@ def rank_share(data: torch.Tensor, group: Group) -> torch.Tensor:
     return data[..., group.rank * n: (group.rank + 1) * n, :]
 
 
+class RankStepError(RuntimeError):
+    """A rank's part of an announced step raised. Every rank finished the step's collectives,
+    so the group is still in step: an ordinary fault that fault isolation can bisect."""
+
+
+def guarded_step(group: Group, plan: list, device, part):
+    """(part(), None), or (None, (rank, reason)) when `part` (this rank's share of an announced
+    step) raised on any rank. A rank whose part raised takes part in the rest of `plan` (the
+    step's collectives) on zeros, so the others finish theirs, then every rank learns every
+    rank's outcome (one all-gather). A failed collective raises EngineFailedError: the group is
+    broken. On success the collectives taken part in must be the plan's, or the plan is stale
+    and the next drain would hang: the group is declared broken then too."""
+    group.issued = 0
+    err = out = None
+    try:
+        out = part()
+    except Exception as e:
+        if group.broken is not None:
+            raise
+        err = e
+        group.drain(plan, device)
+    else:
+        if group.issued != len(plan):
+            group.broken = (f"tensor-parallel step took part in {group.issued} collectives, its plan has "
+                            f"{len(plan)} (LlamaModel.collective_plan is out of date)")
+            raise EngineFailedError(group.broken)
+    failed = group.agree(err)
+    return (out, None) if failed is None else (None, failed)
+
+
 def follow(runner: ModelRunner, group: Group) -> None:
     """A follower's loop: run what rank 0 announces until it says stop (or the group breaks)."""
     while True:
@@ -130,13 +161,15 @@ def follow(runner: ModelRunner, group: Group) -> None:
         if op == "stop":
             return
         if op == "run":
-            runner.replay(*args)
+            tensors, batches = args
+            plan = runner.model.collective_plan(tensors["input_ids"].numel(), [len(b) for b in batches])
+            guarded_step(group, plan, runner.device, lambda: runner.replay(tensors, batches))
         elif op == "swap":
             runner.swap(*args)
         elif op == "copy":
             runner.copy_blocks(*args)
         elif op == "probe":
-            runner.healthy()
+            guarded_step(group, runner.model.collective_plan(1, [1]), runner.device, runner.probe)
         elif op == "read":
             group.all_gather(runner.read_blocks(*args))
         elif op == "write":

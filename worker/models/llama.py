@@ -98,3 +98,13 @@ class LlamaModel:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.group.gather_vocab(self.lm_head(hidden))
+
+    def collective_plan(self, num_tokens: int, logit_rows: list[int]) -> list[tuple[str, tuple, torch.dtype]]:
+        """The collectives, in order, of forward over `num_tokens` tokens and one compute_logits
+        call per entry of `logit_rows` (its row count): what a tensor-parallel rank whose part
+        of a step raised still takes part in (Group.drain). Kept beside forward: the two
+        change together (the runner checks every step that they agree)."""
+        hidden = (num_tokens, self.config.hidden_size)
+        dtype = self.embed.dtype
+        plan = [("all_reduce", hidden, dtype)] * (1 + 2 * len(self.layers))  # embed; o and down per layer
+        return plan + [("all_gather", (rows, self.group.shards.vocab_shard_size), dtype) for rows in logit_rows]
