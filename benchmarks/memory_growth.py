@@ -3,7 +3,8 @@
     python benchmarks/memory_growth.py --model DIR [--requests 10000] [--warmup 1000]
     python benchmarks/memory_growth.py --model DIR --mode inprocess --tracemalloc   # find the holder
 
-`serve` mode (the measurement): `folio serve` with one worker, driven over HTTP with
+`serve` mode (the measurement): `folio serve` with one worker (`--tensor-parallel-size N`: a
+group of N ranks, each follower's RSS sampled too), driven over HTTP with
 bounded concurrency; a third of the requests stream and disconnect after their first
 token (the socket is closed), a third stream to the end, a third are non-streaming.
 The RSS of the worker actor's process and of the frontend replica's process is sampled
@@ -65,6 +66,19 @@ def _find(root_pid: int, marker: str) -> int | None:
     return None
 
 
+def _find_all(root_pid: int, marker: str) -> list[int]:
+    import psutil
+
+    found = []
+    for p in psutil.Process(root_pid).children(recursive=True):
+        try:
+            if any(marker in part for part in p.cmdline()):
+                found.append(p.pid)
+        except psutil.Error:
+            continue
+    return sorted(found)
+
+
 async def _one_http(session, url: str, kind: str, prompt: list[int], max_tokens: int) -> str:
     body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": kind != "plain"}
@@ -111,7 +125,8 @@ def run_serve(args) -> dict:
     cmd = [sys.executable, "-m", "folio.deploy.cli", "serve", "--model", args.model, "--num-workers", "1",
            "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", "0", "--block-size", "16",
            "--num-kv-blocks", "256", "--max-model-len", "512", "--max-num-requests", "1024",
-           "--namespace", f"mem{os.getpid()}", "--grace-period-s", "1", "--served-model-name", "m"]
+           "--namespace", f"mem{os.getpid()}", "--grace-period-s", "1", "--served-model-name", "m",
+           "--tensor-parallel-size", str(args.tensor_parallel_size)]
     srv = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
@@ -123,6 +138,9 @@ def run_serve(args) -> dict:
             time.sleep(1)
         worker = _find(srv.pid, "EngineWorker")
         frontend = _find(srv.pid, "FolioFrontend")
+        ranks = _find_all(srv.pid, "RankActor")  # a tensor-parallel worker's followers (ranks 1..N-1)
+        if len(ranks) != args.tensor_parallel_size - 1:
+            raise SystemExit(f"found {len(ranks)} rank actors for tensor_parallel_size={args.tensor_parallel_size}")
         url = f"http://127.0.0.1:{port}/v1/completions"
         rng = random.Random(0)
         samples, outcomes, done = [], {}, 0
@@ -137,17 +155,24 @@ def run_serve(args) -> dict:
             s = {"requests": done, "seconds": round(time.monotonic() - t0, 1),
                  "worker_rss_mb": round(rss_mb(worker), 1) if worker else None,
                  "frontend_rss_mb": round(rss_mb(frontend), 1) if frontend else None,
-                 "serve_rss_mb": round(rss_mb(srv.pid), 1)}
+                 "serve_rss_mb": round(rss_mb(srv.pid), 1),
+                 **{f"rank{r + 1}_rss_mb": round(rss_mb(pid), 1) for r, pid in enumerate(ranks)}}
             samples.append(s)
             print(json.dumps(s), flush=True)
         return {"samples": samples, "outcomes": outcomes, "pids_found": {"worker": worker is not None,
                                                                         "frontend": frontend is not None}}
     finally:
-        os.killpg(srv.pid, signal.SIGTERM)
+        # SIGTERM to `folio serve` alone, as an operator stops it (the whole group at once took
+        # its Ray processes down under the driver's shutdown: 60 s, then the kill below)
+        srv.send_signal(signal.SIGTERM)
         try:
             srv.wait(60)
         except subprocess.TimeoutExpired:
-            os.killpg(srv.pid, signal.SIGKILL)
+            pass
+        try:
+            os.killpg(srv.pid, signal.SIGKILL)  # whatever of its session is left
+        except ProcessLookupError:
+            pass
 
 
 # ---- in-process mode --------------------------------------------------------------------
@@ -226,6 +251,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--vocab", type=int, default=1000, help="prompt token ids are drawn below this")
     ap.add_argument("--tracemalloc", action="store_true", help="inprocess: top growing allocation sites")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="serve: the worker's ranks (followers' RSS "
+                    "sampled too)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     t0 = time.time()
