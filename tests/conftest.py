@@ -145,6 +145,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def redis_child(serve_pid: int, url: str):
+    """The redis-server child of a `folio serve` process listening on `url`'s port (its embedded Redis)."""
+    import psutil
+    import redis
+
+    port = redis.connection.parse_url(url)["port"]
+    for c in psutil.Process(serve_pid).children():
+        try:
+            if any(s.laddr.port == port and s.status == psutil.CONN_LISTEN for s in c.net_connections("inet")):
+                return c
+        except psutil.Error:
+            continue
+    raise AssertionError("no child of folio serve listens on the Redis port")
+
+
 def redis_url_of(ready_line: str) -> str:
     """The Redis URL from `folio serve`'s ready line: an embedded server's URL (with its
     password) is in the 0600 file the line names; the line itself shows it redacted."""

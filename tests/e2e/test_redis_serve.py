@@ -22,7 +22,7 @@ import psutil
 import pytest
 import redis
 
-from conftest import _free_port, redis_url_of, wait_for
+from conftest import _free_port, redis_child, redis_url_of, wait_for
 from folio.cluster.state import ClusterState
 from folio.worker.hashing import hash_full_blocks
 
@@ -66,18 +66,6 @@ def _cmdline(p):
         return p.cmdline()
     except psutil.Error:
         return []
-
-
-def redis_child(server) -> psutil.Process:
-    """The redis-server child of the serve process listening on the state's port."""
-    port = redis.connection.parse_url(server["redis"])["port"]
-    for c in psutil.Process(server["proc"].pid).children():
-        try:
-            if any(s.laddr.port == port and s.status == psutil.CONN_LISTEN for s in c.net_connections("inet")):
-                return c
-        except psutil.Error:
-            continue
-    raise AssertionError("no child of folio serve listens on the Redis port")
 
 
 def post(server, body, timeout=60):
@@ -130,7 +118,7 @@ def test_redis_killed_under_load(server):
     try:
         wait_for(lambda: len(results) >= 10, 120, "requests before the kill")
         state = redis.Redis.from_url(server["redis"], socket_timeout=0.5, socket_connect_timeout=0.5)
-        victim = redis_child(server)
+        victim = redis_child(server["proc"].pid, server["redis"])
         t0 = time.monotonic()
         victim.send_signal(signal.SIGKILL)
         before = len(results)
@@ -142,7 +130,7 @@ def test_redis_killed_under_load(server):
                 return False
         wait_for(answers, RESTART_BOUND_S, "the embedded Redis to be back")
         back_s = time.monotonic() - t0
-        assert redis_child(server).pid != victim.pid
+        assert redis_child(server["proc"].pid, server["redis"]).pid != victim.pid
         wait_for(lambda: len(ClusterState(server["redis"], "rk").live_loads()) == 2, 10, "both workers re-registered")
         registered_s = time.monotonic() - t0
         wait_for(lambda: len(results) >= before + 20, 120, "requests after the kill")
@@ -159,7 +147,7 @@ def test_redis_killed_under_load(server):
 
 def test_a_hung_redis_is_degraded_not_an_error(server):
     assert metric(get(server, "/metrics")[1], "folio_cluster_state_up") == {"folio_cluster_state_up": 1.0}
-    victim = redis_child(server)
+    victim = redis_child(server["proc"].pid, server["redis"])
     victim.send_signal(signal.SIGSTOP)  # alive but silent: clients time out
     try:
         status, body = get(server, "/health")

@@ -1,17 +1,25 @@
 """`folio serve --tensor-parallel-size 2` as a user runs it: one worker whose model is sharded
 over two ranks (two logical GPUs on this CPU), answering the OpenAI API with the text one
-rank gives, the second rank a Ray actor (in the worker's placement group) that ends with the server."""
+rank gives, the second rank a Ray actor (in the worker's placement group) that ends with the
+server; its embedded Redis SIGKILLed under load costs no request more than a 503, and the same
+group (same rank actor) answers the same text after it."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
+import time
+import urllib.error
 import urllib.request
 
 import psutil
+import redis
 
 from folio.worker import LLM, SamplingParams
-from conftest import PROMPTS, folio_serve
+from conftest import PROMPTS, folio_serve, redis_child, wait_for
+from folio.cluster.state import ClusterState
 
 MAX_TOKENS = 24
 
@@ -35,6 +43,46 @@ def test_folio_serve_with_a_tp2_worker_answers_as_one_rank(model_dirs):
                      if "RankActor" in " ".join(p.cmdline())]
         assert len(followers) == 1, "the worker's second rank is not running"
         got = [complete(server, p)["choices"][0]["text"] for p in PROMPTS[:2]]
-    assert got == expected
+        assert got == expected
+        statuses = redis_killed_under_load(server)
+        assert set(statuses) <= {200, 503} and statuses.count(200) > 0, statuses
+        assert [complete(server, p)["choices"][0]["text"] for p in PROMPTS[:2]] == expected
+        assert [p.pid for p in psutil.Process(server["pid"]).children(recursive=True)
+                if "RankActor" in " ".join(p.cmdline())] == [followers[0].pid], "the group was restarted"
     psutil.wait_procs(followers, timeout=30)
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in followers), "a rank outlived serve"
+
+
+def redis_killed_under_load(server) -> list:
+    """SIGKILL the embedded Redis while two threads send completions: Redis back within 5 s,
+    the TP worker registered again; the statuses of every request sent meanwhile."""
+    stop, statuses = threading.Event(), []
+
+    def load():
+        while not stop.is_set():
+            try:
+                complete(server, PROMPTS[0])
+                statuses.append(200)
+            except urllib.error.HTTPError as e:
+                statuses.append(e.code)
+            except Exception as e:  # a reset connection or a timeout: as bad as a 500
+                statuses.append(repr(e))
+    threads = [threading.Thread(target=load) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: len(statuses) >= 4, 120, "requests before the kill")
+        victim = redis_child(server["pid"], server["redis"])
+        victim.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        state = redis.Redis.from_url(server["redis"], socket_timeout=0.5, socket_connect_timeout=0.5)
+        wait_for(state.ping, 5, "the embedded Redis to be back", ignore=(redis.RedisError,))
+        assert time.monotonic() - t0 < 5
+        wait_for(lambda: len(ClusterState(server["redis"], "fetp").live_loads()) == 1, 10, "the TP worker registered")
+        n = len(statuses)
+        wait_for(lambda: len(statuses) >= n + 4, 120, "requests after the kill")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    return statuses
