@@ -145,6 +145,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_all(engine, reqs, check=True):
+    """reqs: (rid, prompt, params) -> {rid: RequestOutput}; invariants checked after every step."""
+    for rid, prompt, params in reqs:
+        engine.add_request(rid, prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if check:
+            engine.check_invariants()
+    assert engine.kv.num_free_blocks == engine.num_kv_blocks
+    return done
+
+
 def redis_child(serve_pid: int, url: str):
     """The redis-server child of a `folio serve` process listening on `url`'s port (its embedded Redis)."""
     import psutil

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from folio.worker import LLMEngine, EngineConfig, SamplingParams
 from folio.worker.errors import EngineFailedError
 from folio.worker.sampler import sample as real_sample
+from conftest import run_all
 
 # small: prompts are chunked (budget 32 tokens) and a burst preempts (swap or recompute)
 ENGINE = dict(block_size=4, num_kv_blocks=24, num_cpu_blocks=24, max_model_len=128, max_num_batched_tokens=32,
@@ -93,21 +94,6 @@ def engine(model_dirs):
 @pytest.fixture(scope="module")
 def faults(engine):
     return Faults(engine)
-
-
-def run_all(engine, reqs, check=True):
-    """reqs: (rid, prompt, params) -> {rid: RequestOutput}; invariants checked after every step."""
-    for rid, prompt, params in reqs:
-        engine.add_request(rid, prompt, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        if check:
-            engine.check_invariants()
-    assert engine.kv.num_free_blocks == engine.num_kv_blocks
-    return done
 
 
 request = st.fixed_dictionaries({

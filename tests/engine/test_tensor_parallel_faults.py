@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from folio.worker import LLM, SamplingParams
+from conftest import run_all
 
 ENGINE = dict(block_size=4, num_kv_blocks=24, num_cpu_blocks=24, max_model_len=128, max_num_batched_tokens=32,
               preemption_mode="auto", max_num_seqs=8, tensor_parallel_size=2, enable_prefix_caching=False)
@@ -107,19 +108,6 @@ def tp(model_dirs, tmp_path_factory):
         sys.path.remove(str(d))
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-
-
-def run_all(engine, reqs):
-    for rid, prompt, params in reqs:
-        engine.add_request(rid, prompt, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.check_invariants()
-    assert engine.kv.num_free_blocks == engine.num_kv_blocks
-    return done
 
 
 request = st.fixed_dictionaries({
