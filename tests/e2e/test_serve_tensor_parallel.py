@@ -49,6 +49,15 @@ def test_folio_serve_with_a_tp2_worker_answers_as_one_rank(model_dirs):
         assert [complete(server, p)["choices"][0]["text"] for p in PROMPTS[:2]] == expected
         assert [p.pid for p in psutil.Process(server["pid"]).children(recursive=True)
                 if "RankActor" in " ".join(p.cmdline())] == [followers[0].pid], "the group was restarted"
+        ok = statuses.count(200) + 2 * len(PROMPTS[:2])
+        wait_for(lambda: tokens_on_metrics(server) >= ok * MAX_TOKENS, 10, "the TP worker's tokens on /metrics")
+        text = urllib.request.urlopen(server["metrics"] + "/metrics", timeout=30).read().decode()
+        assert "folio_cluster_state_up 1.0" in text
+        assert len(series(text, "folio_requests_running{")) == 1, "the group is not one worker on /metrics"
+        finished = series(text, "folio_requests_total{")
+        assert sum(v for k, v in finished.items() if 'finish_reason="length"' in k) >= ok, finished
+        errors = sum(v for k, v in finished.items() if 'finish_reason="error"' in k)
+        assert errors <= statuses.count(503), (finished, statuses)  # a 503 counts as an error, nothing else did
     psutil.wait_procs(followers, timeout=30)
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in followers), "a rank outlived serve"
 
@@ -86,3 +95,14 @@ def redis_killed_under_load(server) -> list:
         for t in threads:
             t.join()
     return statuses
+
+
+def series(text: str, prefix: str) -> dict[str, float]:
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith(prefix)}
+
+
+def tokens_on_metrics(server) -> float:
+    """The TP worker's generated tokens, as /metrics reports them (from its heartbeats)."""
+    text = urllib.request.urlopen(server["metrics"] + "/metrics", timeout=30).read().decode()
+    return sum(series(text, "folio_generation_tokens_total{").values())
