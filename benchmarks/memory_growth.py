@@ -55,15 +55,8 @@ def request_mix(i: int, rng: random.Random, vocab: int) -> tuple[str, list[int],
 
 # ---- serve mode -------------------------------------------------------------------------
 def _find(root_pid: int, marker: str) -> int | None:
-    import psutil
-
-    for p in psutil.Process(root_pid).children(recursive=True):
-        try:
-            if any(marker in part for part in p.cmdline()):
-                return p.pid
-        except psutil.Error:
-            continue
-    return None
+    found = _find_all(root_pid, marker)
+    return found[0] if found else None
 
 
 def _find_all(root_pid: int, marker: str) -> list[int]:

@@ -31,8 +31,7 @@ PREFILL = 2048  # tokens of one prefill step
 def estimate(model: str, gpu: str, link: str, tp: int) -> dict:
     r = Roofline(GPUS[gpu], MODELS[model], tensor_parallel_size=tp, link=LINKS[link])
     m = MODELS[model]
-    free = GPUS[gpu].memory_bytes * r.gpu_memory_utilization - m.weight_bytes / tp
-    if free <= 0:
+    if r.free_bytes_per_gpu <= 0:
         return {"tp": tp, "fits": False, "weights_per_gpu_gb": round(m.weight_bytes / tp / 1e9, 1)}
     kv_tokens = r.num_kv_blocks(BLOCK) * BLOCK
     out = {"tp": tp, "fits": True, "weights_per_gpu_gb": round(m.weight_bytes / tp / 1e9, 1),

@@ -165,6 +165,16 @@ def run_all(engine, reqs, check=True):
     return done
 
 
+def metric_series(text: str, prefix: str) -> dict[str, float]:
+    """Prometheus text: {series (name and labels): value} for the lines that start with `prefix`."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
 def redis_child(serve_pid: int, url: str):
     """The redis-server child of a `folio serve` process listening on `url`'s port (its embedded Redis)."""
     import psutil

@@ -104,11 +104,14 @@ class Roofline:
     def named(cls, gpu: str = "H200", model: str = "llama-3-8b", **kw) -> "Roofline":
         return cls(GPUS[gpu], MODELS[model], **kw)
 
+    @property
+    def free_bytes_per_gpu(self) -> float:
+        """What each GPU keeps for the KV cache beside its share of the weights (<= 0: it does not fit)."""
+        return self.gpu.memory_bytes * self.gpu_memory_utilization - self.model.weight_bytes / self.tensor_parallel_size
+
     def num_kv_blocks(self, block_size: int) -> int:
         """Blocks that fit beside the weights, as vLLM sizes its cache."""
-        n = self.tensor_parallel_size
-        free = self.gpu.memory_bytes * self.gpu_memory_utilization - self.model.weight_bytes / n  # per GPU
-        return max(int(free // (self.kv_bytes_per_token_per_gpu * block_size)), 1)
+        return max(int(self.free_bytes_per_gpu // (self.kv_bytes_per_token_per_gpu * block_size)), 1)
 
     def step_seconds(self, scheduled: list[tuple[int, int]], swap_bytes: int = 0) -> float:
         """`scheduled`: (new tokens, context length after them) per sequence in the step."""

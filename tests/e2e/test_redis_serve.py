@@ -22,7 +22,7 @@ import psutil
 import pytest
 import redis
 
-from conftest import _free_port, redis_child, redis_url_of, wait_for
+from conftest import _free_port, metric_series as metric, redis_child, redis_url_of, wait_for
 from folio.cluster.state import ClusterState
 from folio.worker.hashing import hash_full_blocks
 
@@ -99,15 +99,6 @@ def load(server, stop: threading.Event, results: list, seed: int, max_requests: 
         except Exception as e:  # a reset connection, a timeout: as bad as a 500
             status = repr(e)
         results.append(status)
-
-
-def metric(text: str, name: str) -> dict[str, float]:
-    out = {}
-    for line in text.splitlines():
-        if line.startswith(name):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
 
 
 def test_redis_killed_under_load(server):

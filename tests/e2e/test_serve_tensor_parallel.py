@@ -18,7 +18,7 @@ import psutil
 import redis
 
 from folio.worker import LLM, SamplingParams
-from conftest import PROMPTS, folio_serve, redis_child, wait_for
+from conftest import PROMPTS, folio_serve, metric_series as series, redis_child, wait_for
 from folio.cluster.state import ClusterState
 
 MAX_TOKENS = 24
@@ -95,11 +95,6 @@ def redis_killed_under_load(server) -> list:
         for t in threads:
             t.join()
     return statuses
-
-
-def series(text: str, prefix: str) -> dict[str, float]:
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line.startswith(prefix)}
 
 
 def tokens_on_metrics(server) -> float:
