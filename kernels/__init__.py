@@ -1,8 +1,8 @@
 """Attention and cache ops. Contract and shapes: ../shared/DESIGN.md, "Kernels".
 
-Each op has a pure-torch reference (`reference.py`: the CPU path and the oracle)
-and a Triton kernel (`paged_attention.py`, `write_kv.py`, `copy_blocks.py`: the
-GPU path). `backend.get_ops(device)` picks the implementation; the names exported
+Each op has a pure-torch reference (`reference.py`: the oracle, and the CPU path
+where no C++ compiler is found) and a Triton kernel (`paged_attention.py`, `write_kv.py`,
+`copy_blocks.py`: the GPU path); on CPU, decode attention runs in C++ (`cpu_attention.py`). `backend.get_ops(device)` picks the implementation; the names exported
 here are the references. `attention_plan.py`: what attention derives once per step from
 the batch's layout, for every layer.
 """

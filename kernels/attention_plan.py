@@ -3,8 +3,9 @@ decode, which prefill, the blocks each reads, the masks), the same for every lay
 model runner builds it once per step (ops.plan_attention) and each layer's attention reads it.
 
 The torch path (reference.py) uses all of it: decode sequences grouped into chunks of
-at most _DECODE_CHUNK_BYTES of K+V, prefills with their causal masks. The Triton path
-(backend.py) only reads max_query_len.
+at most _DECODE_CHUNK_BYTES of K+V, prefills with their causal masks. The C++ CPU path
+(cpu_attention.py) takes the prefills and the decode sequences as rows (in_place=True).
+The Triton path (backend.py) only reads max_query_len.
 """
 
 from __future__ import annotations
@@ -40,6 +41,15 @@ class PrefillSeq:
 
 
 @dataclass
+class DecodeRows:
+    """The decode sequences as the C++ kernel reads them (cpu_attention.py): in place, no chunks."""
+
+    rows: torch.Tensor  # [n] int64: rows of q
+    block_tables: torch.Tensor  # [n, max_blocks] int32, contiguous
+    seq_lens: torch.Tensor  # [n] int64
+
+
+@dataclass
 class AttentionPlan:
     """What paged_attention derives from the batch layout alone; the same for every layer,
     so the model runner builds it once per step."""
@@ -47,16 +57,25 @@ class AttentionPlan:
     decode: list[DecodeChunk]
     prefill: list[PrefillSeq]
     max_query_len: int | None = None  # longest new-token count of the batch
+    decode_rows: DecodeRows | None = None  # instead of `decode` (plan_attention(..., in_place=True))
 
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                   block_size: int, kv_bytes_per_token: int) -> AttentionPlan:
-    """kv_bytes_per_token: K + V bytes of one token in one layer (2 * kv_heads * head_dim * itemsize)."""
+                   block_size: int, kv_bytes_per_token: int, in_place: bool = False) -> AttentionPlan:
+    """kv_bytes_per_token: K + V bytes of one token in one layer (2 * kv_heads * head_dim * itemsize).
+    in_place: the decode sequences as DecodeRows (for a kernel that reads the cache in place)."""
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
     tables = block_tables.to(torch.long)
     decode_idx = [s for s in range(len(lens)) if qsl[s + 1] - qsl[s] == 1]
     chunks = []
+    rows = None
+    if in_place:
+        idx = torch.tensor(decode_idx, dtype=torch.long)
+        rows = DecodeRows(torch.tensor([qsl[s] for s in decode_idx], dtype=torch.long),
+                          block_tables.index_select(0, idx).to(torch.int32).contiguous(),
+                          seq_lens.index_select(0, idx).to(torch.long).contiguous())
+        decode_idx = []
     for members, nb in _decode_chunks([lens[s] for s in decode_idx], block_size, kv_bytes_per_token):
         seqs = [decode_idx[m] for m in members]
         ctx = torch.tensor([lens[s] for s in seqs])
@@ -77,7 +96,7 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_sta
                 mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
             prefill.append(PrefillSeq(qsl[s], qsl[s + 1], tables[s, : (ctx + block_size - 1) // block_size], ctx,
                                       mask))
-    return AttentionPlan(chunks, prefill, max(b - a for a, b in zip(qsl, qsl[1:])) if lens else 0)
+    return AttentionPlan(chunks, prefill, max(b - a for a, b in zip(qsl, qsl[1:])) if lens else 0, rows)
 
 
 def _decode_chunks(ctx_lens: list[int], block_size: int, bytes_per_token: int) -> list[tuple[list[int], int]]:

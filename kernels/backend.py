@@ -1,7 +1,8 @@
 """Which implementation of the kernel ops runs — decided here and nowhere else.
 
-    FOLIO_ATTENTION_BACKEND=torch|triton   overrides the choice
-    default                                 triton on CUDA, the torch reference elsewhere
+    FOLIO_ATTENTION_BACKEND=torch|cpp|triton   overrides the choice
+    default                                     triton on CUDA; on CPU cpp (decode attention in
+                                                C++, cpu_attention.py) when it builds, else torch
 
 Tests run the Triton kernels on CPU with TRITON_INTERPRET=1 (set before triton is
 imported) and FOLIO_ATTENTION_BACKEND=triton.
@@ -9,6 +10,7 @@ imported) and FOLIO_ATTENTION_BACKEND=triton.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -17,7 +19,8 @@ import torch
 
 from folio.kernels import attention_plan, reference
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "cpp", "triton")
+log = logging.getLogger("folio.kernels")
 
 
 @dataclass(frozen=True)
@@ -49,14 +52,37 @@ def _triton_ops() -> KernelOps:
     return KernelOps("triton", write_kv, paged_attention, copy_blocks, reference.swap_blocks, _plan_for_triton)
 
 
+def _cpp_ops() -> KernelOps:
+    from folio.kernels import cpu_attention
+
+    return KernelOps("cpp", reference.write_kv, cpu_attention.paged_attention, reference.copy_blocks,
+                     reference.swap_blocks, cpu_attention.plan)
+
+
+_warned: set[str] = set()
+
+
 def attention_backend(device: torch.device) -> str:
     name = os.environ.get("FOLIO_ATTENTION_BACKEND", "").strip().lower()
-    if not name:
-        return "triton" if device.type == "cuda" else "torch"
-    if name not in BACKENDS:
+    if name and name not in BACKENDS:
         raise ValueError(f"FOLIO_ATTENTION_BACKEND must be one of {BACKENDS}, got {name!r}")
-    return name
+    if name == "cpp" and device.type != "cpu":
+        raise ValueError("FOLIO_ATTENTION_BACKEND=cpp runs on CPU only")
+    if name == "cpp" or (not name and device.type == "cpu"):
+        from folio.kernels import cpu_attention
+
+        why = cpu_attention.load()
+        if why is not None:
+            if name == "cpp":
+                raise ValueError(f"FOLIO_ATTENTION_BACKEND=cpp: {why}")
+            if why not in _warned:
+                _warned.add(why)
+                log.warning("%s; attention runs on the torch reference", why)
+            return "torch"
+        return "cpp"
+    return name or ("triton" if device.type == "cuda" else "torch")
 
 
 def get_ops(device: torch.device | str) -> KernelOps:
-    return _triton_ops() if attention_backend(torch.device(device)) == "triton" else TORCH_OPS
+    name = attention_backend(torch.device(device))
+    return _triton_ops() if name == "triton" else _cpp_ops() if name == "cpp" else TORCH_OPS

@@ -1,4 +1,5 @@
-"""Pure-torch reference ops: the CPU path of Folio and the oracle for the Triton kernels.
+"""Pure-torch reference ops: the oracle for the Triton and C++ kernels, and the CPU path
+where no C++ compiler is found.
 
 Cache layout, one pair of tensors per layer (see ../shared/DESIGN.md):
 
@@ -101,7 +102,7 @@ def paged_attention(
     arithmetic is torch's fused scaled_dot_product_attention on the gathered context.
     """
     num_kv_heads, head_dim, block_size = k_cache.shape[2], k_cache.shape[3], k_cache.shape[1]
-    if plan is None:
+    if plan is None or plan.decode_rows is not None:  # (a plan for the C++ kernel has no decode chunks)
         plan = plan_attention(block_tables, seq_lens, query_start_loc, block_size, kv_bytes_per_token(k_cache))
     out = torch.empty_like(q) if out is None else out
     num_heads = q.shape[1]

@@ -1,0 +1,125 @@
+"""The C++ CPU attention (kernels/cpu_attention.py) against float64 dense attention and the torch
+reference, on generated paged layouts: decode rows in place, prefills through the reference,
+block-major strided caches, GQA, bf16; bad tables refused with a clear error (never a read out
+of bounds); and the fallback to the reference when no compiler can build it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from folio.kernels import backend, cpu_attention, reference
+from folio.kernels.errors import KernelInputError
+from tests.engine.test_kernels_reference import block_major, dense_reference, make_case
+
+pytestmark = pytest.mark.skipif(cpu_attention.load() is not None, reason="no C++ compiler here")
+
+
+@st.composite
+def batches(draw):
+    block_size = draw(st.sampled_from([1, 2, 8, 16, 32]))
+    num_kv_heads = draw(st.integers(1, 4))
+    gqa = draw(st.sampled_from([1, 2, 3, 4]))
+    head_dim = draw(st.sampled_from([8, 16, 64, 80, 128]))
+    n = draw(st.integers(1, 6))
+    ctx = draw(st.lists(st.integers(1, 3 * block_size + 40), min_size=n, max_size=n))
+    # most rows decode; some prefill (whole, or a chunk after a cached context)
+    q_lens = [1 if draw(st.booleans()) or c == 1 else draw(st.integers(1, c)) for c in ctx]
+    return block_size, num_kv_heads * gqa, num_kv_heads, head_dim, q_lens, ctx, draw(st.integers(0, 2**31))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(batches(), st.sampled_from([torch.float32, torch.bfloat16]), st.booleans())
+def test_matches_dense_attention_and_the_reference(case, dtype, strided):
+    block_size, heads, kv_heads, head_dim, q_lens, ctx, seed = case
+    gen = torch.Generator().manual_seed(seed)
+    q, kc, vc, tables, lens, qsl, ks, vs = make_case(gen, q_lens, ctx, heads, kv_heads, head_dim, block_size, dtype)
+    if strided:  # the engine's layout: other layers' blocks in between hold NaN
+        kc, vc, _ = block_major(kc, vc)
+    scale = head_dim ** -0.5
+    plan = cpu_attention.plan(tables, lens, qsl, block_size, 0)
+    assert plan.decode == [] and plan.decode_rows.rows.numel() == sum(1 for x in q_lens if x == 1)
+    out = cpu_attention.paged_attention(q, kc, vc, tables, lens, qsl, scale, plan=plan)
+    ref = reference.paged_attention(q, kc, vc, tables, lens, qsl, scale)
+    dense = dense_reference(q, ks, vs, q_lens, ctx, scale)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    assert out.dtype == dtype and out.shape == q.shape and not out.isnan().any()
+    torch.testing.assert_close(out.double(), dense, atol=tol, rtol=tol)
+    torch.testing.assert_close(out.double(), ref.double(), atol=tol, rtol=tol)
+
+
+def test_the_reference_replans_a_plan_made_for_the_kernel():
+    gen = torch.Generator().manual_seed(1)
+    q, kc, vc, tables, lens, qsl, ks, vs = make_case(gen, [1, 4, 1], [20, 9, 3], 4, 2, 16, 8, torch.float32)
+    plan = cpu_attention.plan(tables, lens, qsl, 8, 0)  # no decode chunks: the reference must not skip rows
+    got = reference.paged_attention(q, kc, vc, tables, lens, qsl, 0.25, plan=plan)
+    torch.testing.assert_close(got.double(), dense_reference(q, ks, vs, [1, 4, 1], [20, 9, 3], 0.25),
+                               atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("bad", ["block_out_of_range", "negative_block", "context_past_table", "row_past_q"])
+def test_bad_tables_are_refused_before_anything_is_read(bad):
+    gen = torch.Generator().manual_seed(2)
+    q, kc, vc, tables, lens, qsl, _, _ = make_case(gen, [1, 1], [20, 5], 4, 2, 16, 8, torch.float32)
+    plan = cpu_attention.plan(tables, lens, qsl, 8, 0)
+    d = plan.decode_rows
+    if bad == "block_out_of_range":
+        d.block_tables[0, 1] = kc.shape[0] + 10**6
+    elif bad == "negative_block":
+        d.block_tables[1, 0] = -1
+    elif bad == "context_past_table":
+        d.seq_lens[0] = d.block_tables.shape[1] * 8 + 1
+    else:
+        d.rows[1] = q.shape[0]
+    with pytest.raises(KernelInputError, match="sequence [01]"):
+        cpu_attention.paged_attention(q, kc, vc, tables, lens, qsl, 0.25, plan=plan)
+
+
+def test_other_dtypes_go_to_the_reference():
+    gen = torch.Generator().manual_seed(4)
+    q, kc, vc, tables, lens, qsl, ks, vs = make_case(gen, [1, 3], [11, 3], 4, 2, 16, 4, torch.float16)
+    got = cpu_attention.paged_attention(q, kc, vc, tables, lens, qsl, 0.25)
+    assert torch.equal(got, reference.paged_attention(q, kc, vc, tables, lens, qsl, 0.25))
+
+
+def test_the_default_cpu_backend_is_the_kernel(monkeypatch):
+    monkeypatch.delenv("FOLIO_ATTENTION_BACKEND", raising=False)
+    assert backend.get_ops("cpu").name == "cpp"
+    monkeypatch.setenv("FOLIO_ATTENTION_BACKEND", "torch")
+    assert backend.get_ops("cpu").name == "torch"
+
+
+def test_without_a_compiler_the_cpu_path_is_the_reference(tmp_path):
+    """A fresh process with an empty kernel cache and a compiler that fails: the default falls
+    back to the reference with one warning; asking for cpp by name is a clear error."""
+    code = ("import logging, os; logging.basicConfig();"
+            "from folio.kernels import backend;"
+            "print(backend.get_ops('cpu').name);"
+            "os.environ['FOLIO_ATTENTION_BACKEND'] = 'cpp';\n"
+            "try: backend.get_ops('cpu')\n"
+            "except ValueError as e: print('refused:', e)")
+    env = dict(os.environ, CXX="false", FOLIO_KERNEL_CACHE=str(tmp_path))
+    env.pop("FOLIO_ATTENTION_BACKEND", None)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "torch"
+    assert lines[1].startswith("refused: FOLIO_ATTENTION_BACKEND=cpp: the CPU attention kernel could not be built")
+    assert done.stderr.count("attention runs on the torch reference") == 1
+    assert os.listdir(tmp_path) == []  # the failed build left no file behind
+
+
+def test_loading_the_kernel_keeps_subnormal_floats():
+    """Built with -ffast-math and linked with it, the library would set flush-to-zero for the
+    whole process at load (gcc's crtfastmath.o): every torch op would then lose subnormals."""
+    code = ("import torch; from folio.kernels import cpu_attention; assert cpu_attention.load() is None;"
+            "x = torch.tensor([1e-39, 1e-42]); print(bool((x * 1.0 != 0).all()), bool((x / 2 != 0).all()))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True"]
