@@ -24,22 +24,14 @@ import time
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from logits_processing import time_call  # noqa: E402  (median seconds of a call, after 3 warm-ups)
+
 SHAPES = {  # name: (heads, kv heads, head dim, batch, context)
     "SmolLM2-135M b64 x 160": (9, 3, 64, 64, 160),
     "tiny-llama-8l b64 x 128": (8, 4, 64, 64, 128),
     "SmolLM2-135M b16 x 1000": (9, 3, 64, 16, 1000),
 }
-
-
-def median_ms(fn, n: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(ts)
 
 
 def op_case(heads, kv_heads, head_dim, batch, ctx, block_size=16, layers=30):
@@ -103,7 +95,7 @@ def main() -> None:
         runs = {"torch": [], "cpp": []}
         for _ in range(args.rounds):
             for b in ("torch", "cpp", "cpp", "torch"):
-                runs[b].append(round(median_ms(torch_fn if b == "torch" else cpp_fn), 3))
+                runs[b].append(round(1e3 * time_call(torch_fn if b == "torch" else cpp_fn, 30), 3))
         t, c = statistics.median(runs["torch"]), statistics.median(runs["cpp"])
         doc["op"][name] = {"ms_per_layer": runs, "speedup": round(t / c, 2), "max_abs_diff": err,
                            "kv_gb_s": {"torch": round(kv_bytes / t / 1e6, 1), "cpp": round(kv_bytes / c / 1e6, 1)}}
