@@ -8,7 +8,9 @@
    enough to preempt by swap (pinned host blocks). A prompt whose reference has a near-tie
    (top-2 logits closer than --margin) is left out and counted;
 3. decode: output tokens/s of one engine step at batch 1-256 (contexts of 128 tokens), tiny
-   float32 and SmolLM2 float32 / bfloat16.
+   float32 and SmolLM2 float32 / bfloat16;
+4. the tensor-parallel group on CUDA (issue 19): NCCL for device tensors, gloo for host ones
+   (one GPU lent, so one rank: construction and routing, not a multi-GPU all-reduce).
 
 Every part runs on its own: one that raises is recorded with its traceback and the rest go on,
 so one failure does not waste the lease. JSON to --out; the exit status is 0 only when every
@@ -247,6 +249,34 @@ def kernels(args) -> dict:
             "ok": all(r["ok"] and not r["nan"] for r in rows)}
 
 
+def tp_group(args) -> dict:
+    """The tensor-parallel group's collectives as a CUDA engine makes them (issue 19): NCCL for
+    device tensors, gloo for host ones and the pickled broadcasts. One GPU lent, so one rank:
+    this checks the groups' construction and each collective's routing, not a multi-GPU run."""
+    import socket
+
+    import torch
+
+    from folio.worker.tensor_parallel import Group, Shards
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    g = Group.join(Shards.of(0, 1, 8, 4, 1408, 8192), "127.0.0.1", port, torch.device("cuda", 0))
+    x = torch.randn(4, 8, device="cuda")
+    summed = g.all_reduce(x.clone())
+    gathered = g.all_gather(x)
+    host = g.all_gather(torch.arange(6))
+    out = {"device_backend": g.pg.name(), "host_backend": g.cpu_pg.name(),
+           "all_reduce": bool(torch.equal(summed, x)), "all_gather": bool(torch.equal(gathered[0], x)),
+           "host_all_gather": bool(torch.equal(host[0], torch.arange(6))),
+           "broadcast": g.broadcast({"a": [1, 2]}) == {"a": [1, 2]}, "agree": g.agree(None) is None}
+    g.close()
+    out["ok"] = all(v for k, v in out.items() if not k.endswith("backend")) and out["device_backend"] == "nccl"
+    print(f"tp group: {out}", flush=True)
+    return out
+
+
 def part(doc: dict, key: str, fn, *a) -> None:
     """Run one check; record its result or its traceback, and its seconds."""
     t0 = time.time()
@@ -287,6 +317,7 @@ def main() -> int:
     t0 = time.time()
     if args.device == "cuda":
         part(doc, "kernels", kernels, args)
+        part(doc, "tp_group", tp_group, args)
     tiny = make_tiny_model("/tmp/folio_gpu_tiny", TinySpec(arch="llama", **TINY))
     smol, why = smollm2_file()
     doc["smollm2"] = {"path": smol, "how": why}

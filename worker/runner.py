@@ -125,7 +125,7 @@ def load_shard(config: EngineConfig, rank: int = 0, port: int | None = None, fol
     device, dtype = torch.device(config.device), config.torch_dtype
     if device.type == "cuda" and shards.size > 1 and not own_device:  # rank r: the r-th device from config.device's
         device = torch.device("cuda", (device.index or 0) + rank)
-    group = Group(shards) if shards.size == 1 else Group.join(shards, "127.0.0.1", port)
+    group = Group(shards) if shards.size == 1 else Group.join(shards, "127.0.0.1", port, device)
     model = load_model(config.model, dtype, device, sizes.max_model_len, mc, group)
     if rank > 0:
         follower = ModelRunner(model, sizes.num_kv_blocks, config.block_size, dtype, device, sizes.num_cpu_blocks,

@@ -10,8 +10,10 @@ A model whose KV heads are fewer than the ranks replicates them (as vLLM does): 
 KV head r // (N / num_kv_heads). Vocabulary shards are ceil(V / N) rows, the last one padded
 with zero rows, so the gathered logits are trimmed back to V.
 
-The group is torch.distributed: gloo on CPU (so the whole path runs and is tested here),
-NCCL on CUDA. The row-parallel sums add the ranks' partial products in another order than
+The group is torch.distributed, two process groups over one store (as vLLM's device and CPU
+groups): the model's all-reduces and all-gathers run on the device's (NCCL on CUDA, gloo on CPU),
+the pickled step broadcasts, the outcome exchange and host-side KV reads on a gloo group (the
+same one on CPU). Each collective picks its group by its tensor's device. The row-parallel sums add the ranks' partial products in another order than
 one device does: outputs equal a single device's up to rounding (near-ties may flip).
 """
 
@@ -94,25 +96,38 @@ def pad_vocab(rows: torch.Tensor, shards: Shards) -> torch.Tensor:
 class Group:
     """The collectives of one tensor-parallel group: a process group of its own (not
     torch.distributed's global one, so one process may hold several engines), rendezvous
-    through a TCPStore that rank 0 hosts. `pg` None: one rank, every collective a no-op."""
+    through a TCPStore that rank 0 hosts. `pg`: the device tensors' group; `cpu_pg`: host
+    tensors' (gloo; the same group on a CPU). `pg` None: one rank, every collective a no-op."""
 
-    def __init__(self, shards: Shards, pg=None) -> None:
+    def __init__(self, shards: Shards, pg=None, cpu_pg=None) -> None:
         self.shards = shards
         self.pg = pg
+        self.cpu_pg = cpu_pg if cpu_pg is not None else pg
         self.store = None  # the rendezvous (rank 0 hosts it), kept alive as long as the group
         self.collective_seconds = 0.0  # this rank's wall time in the model's all-reduces and all-gathers
         self.issued = 0  # collectives this rank took part in since the step began (guarded_step)
         self.broken: str | None = None  # why a collective itself failed: the ranks are out of step for good
 
     @classmethod
-    def join(cls, shards: Shards, host: str, port: int, timeout_s: float = 60.0) -> "Group":
-        """Rank 0 hosts the store on `port`; the others connect to it."""
+    def join(cls, shards: Shards, host: str, port: int, device: torch.device = torch.device("cpu"),
+             timeout_s: float = 60.0) -> "Group":
+        """Rank 0 hosts the store on `port`; the others connect to it. On CUDA the device group
+        is NCCL (its own timeout: NCCL's default; a dead rank is found by its actor's death too)."""
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore(host, port, shards.size, shards.rank == 0, timeout=timeout)
-        pg = dist.ProcessGroupGloo(store, shards.rank, shards.size, timeout)
-        g = cls(shards, pg)
+        cpu_pg = dist.ProcessGroupGloo(dist.PrefixStore("cpu", store), shards.rank, shards.size, timeout)
+        pg = cpu_pg
+        if device.type == "cuda":
+            if device.index is not None:  # NCCL binds its communicator to the current device
+                torch.cuda.set_device(device)
+            pg = dist.ProcessGroupNCCL(dist.PrefixStore("device", store), shards.rank, shards.size)
+        g = cls(shards, pg, cpu_pg)
         g.store = store
         return g
+
+    def _group(self, x: torch.Tensor):
+        """The process group for a collective on `x`: host tensors on gloo, device ones on the device's."""
+        return self.cpu_pg if x.device.type == "cpu" else self.pg
 
     @property
     def size(self) -> int:
@@ -138,7 +153,7 @@ class Group:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.pg is not None:
-            self._collective(lambda: self.pg.allreduce([x]))
+            self._collective(lambda: self._group(x).allreduce([x]))
         return x
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -146,7 +161,7 @@ class Group:
             return [x]
         parts = [torch.empty_like(x) for _ in range(self.size)]
         x = x.contiguous()
-        self._collective(lambda: self.pg.allgather([parts], [x]))
+        self._collective(lambda: self._group(x).allgather([parts], [x]))
         return parts
 
     def drain(self, plan: list[tuple[str, tuple, torch.dtype]], device) -> None:
@@ -182,10 +197,10 @@ class Group:
             n = torch.tensor([data.numel()], dtype=torch.long)
         else:
             n = torch.zeros(1, dtype=torch.long)
-        self._collective(lambda: self.pg.broadcast([n], opts))
+        self._collective(lambda: self.cpu_pg.broadcast([n], opts))
         if self.rank != 0:
             data = torch.empty(int(n.item()), dtype=torch.uint8)
-        self._collective(lambda: self.pg.broadcast([data], opts))
+        self._collective(lambda: self.cpu_pg.broadcast([data], opts))
         return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
 
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
@@ -204,7 +219,7 @@ class Group:
         return self.all_reduce(h.masked_fill(outside[:, None], 0))
 
     def close(self) -> None:
-        self.pg = None
+        self.pg = self.cpu_pg = None
 
 
 def single(num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int) -> Group:
