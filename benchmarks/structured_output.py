@@ -8,8 +8,8 @@ write digits for ever can do so until max_tokens, as one unbounded integer array
 JSON object matching each (the schema in the prompt, and `guided=GuidedSpec("json_schema")`,
 what response_format json_schema becomes), all at once through the offline engine, and
 validates every output with `jsonschema`. Then the mask's cost per decode step at batch 64:
-filling 64 matchers' bitmasks (xgrammar) and applying them to [64, vocab] logits, medians of
-30 steps, mid-object. Writes benchmarks/results/structured_output.json (or --out).
+filling 64 sequences' bitmasks (xgrammar's, then worker/utf8_mask.py's) and applying them to
+[64, vocab] logits, medians of 30 steps, mid-object. Writes benchmarks/results/structured_output.json (or --out).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import random
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -89,34 +90,34 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001 - recorded
             failures.append({"schema": s, "text": o.text, "finish_reason": o.finish_reason, "error": str(e)[:200]})
     tokens = sum(len(o.token_ids) for o in outs)
-    # the mask's cost at batch 64: 64 matchers mid-object (after '{"'), fill + apply, per step
+    # the mask's cost at batch 64: 64 sequences mid-object (after '{"'), fill + apply, per step
     grammars = llm.engine.guided_grammars()
-    matchers = []
-    for s in schemas[:64]:
+    seqs = []
+    for s in schemas[:64]:  # a sequence as bitmask reads one: its matcher, its tokens (no output yet)
         m = grammars._xgr.GrammarMatcher(grammars.compiled(GuidedSpec("json_schema", json.dumps(s))))
         m.accept_string('{"')
-        matchers.append(m)
-    logits = torch.randn(len(matchers), llm.engine.vocab_size)
+        seqs.append(SimpleNamespace(grammar=m, token_ids=[], num_prompt_tokens=0))
+    logits = torch.randn(len(seqs), llm.engine.vocab_size)
     fill, apply = [], []
     for _ in range(30):
         t = time.perf_counter()
-        bm = grammars.bitmask(matchers)
+        bm = grammars.bitmask(seqs)
         fill.append(time.perf_counter() - t)
         x = logits.clone()
         t = time.perf_counter()
-        apply_bitmask(x, list(range(len(matchers))), bm)
+        apply_bitmask(x, list(range(len(seqs))), bm)
         apply.append(time.perf_counter() - t)
     doc = {"date": time.strftime("%Y-%m-%d %H:%M"), "model": os.path.basename(args.model), "backend": "xgrammar 0.2.9",
            "requests": args.requests, "valid": valid, "valid_share": valid / args.requests, "finish_reasons": reasons,
            "output_tokens": tokens, "generate_s": round(gen_s, 1), "out_tok_per_s": round(tokens / gen_s, 1),
-           "mask_batch": len(matchers), "mask_fill_ms_median": 1e3 * statistics.median(fill),
+           "mask_batch": len(seqs), "mask_fill_ms_median": 1e3 * statistics.median(fill),
            "mask_apply_ms_median": 1e3 * statistics.median(apply), "failures": failures[:20],
            "examples": [{"schema": s, "text": o.text} for s, o in list(zip(schemas, outs))[:5]]}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
     print(f"{valid}/{args.requests} valid ({reasons}); {tokens} tokens in {gen_s:.0f} s; mask at batch "
-          f"{len(matchers)}: fill {doc['mask_fill_ms_median']:.2f} ms + apply {doc['mask_apply_ms_median']:.2f} ms "
+          f"{len(seqs)}: fill {doc['mask_fill_ms_median']:.2f} ms + apply {doc['mask_apply_ms_median']:.2f} ms "
           f"per step; wrote {args.out}")
     return 0 if valid == args.requests else 1
 

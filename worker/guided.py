@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from folio.worker.errors import InvalidRequestError
+from folio.worker.utf8_mask import Utf8Mask
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 64 * 1024
@@ -83,6 +84,7 @@ class Grammars:
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=stop_token_ids or None)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
+        self.utf8 = Utf8Mask(self.info.decoded_vocab, vocab_size)
         self._cache: dict[GuidedSpec, Any] = {}
 
     def compiled(self, spec: GuidedSpec):
@@ -130,10 +132,16 @@ class Grammars:
             seq.grammar = m
         return m
 
-    def bitmask(self, matchers: list) -> torch.Tensor:
-        bm = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
-        for i, m in enumerate(matchers):
-            m.fill_next_token_bitmask(bm, i)
+    def bitmask(self, seqs: list) -> torch.Tensor:
+        """The packed mask (int32 [len(seqs), ceil(V / 32)]) of what each sequence's grammar allows
+        next, less what would make its output ill-formed UTF-8 (utf8_mask.py). A row that mask
+        empties (a grammar that allows only ill-formed bytes there) is the request's error."""
+        bm = self._xgr.allocate_token_bitmask(len(seqs), self.vocab_size)
+        for i, s in enumerate(seqs):
+            self.matcher(s).fill_next_token_bitmask(bm, i)
+        if self.utf8.restrict(bm, seqs):
+            raise InvalidRequestError("no token the request's grammar allows here keeps the output well-formed "
+                                      "UTF-8", param="response_format")
         return bm
 
 

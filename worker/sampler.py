@@ -70,7 +70,7 @@ def process_logits(logits: torch.Tensor, params: list, histories: Sequence[Histo
         if grammars is None:
             raise ValueError("structured output needs the engine's grammars")
         from folio.worker.guided import apply_bitmask
-        apply_bitmask(logits, guided, grammars.bitmask([grammars.matcher(histories[i]) for i in guided]))
+        apply_bitmask(logits, guided, grammars.bitmask([histories[i] for i in guided]))
     allowed = [i for i in rows if params[i].allowed_token_ids is not None]
     if allowed:
         ids = _padded([[t for t in params[i].allowed_token_ids if 0 <= t < vocab] or [0] for i in allowed], device)
