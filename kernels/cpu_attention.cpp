@@ -7,9 +7,10 @@
 //   block_tables [num_seqs, max_blocks] int32, seq_lens [num_seqs] int64, rows [num_seqs] int64
 //   out          [num_tokens, num_heads, head_dim] (rows[s] written for each s)
 //
-// One sequence per task (at::parallel_for, torch's own OpenMP pool): its blocks are read
-// whole, every KV head of a token at once. Scores, softmax and the weighted sum of V are
-// float32 whatever the cache's dtype. GQA: head h reads kv head h / (num_heads / kv_heads).
+// One sequence per task (at::parallel_for, torch's own OpenMP pool): its blocks are walked in
+// order, every KV head of a token at once, each K/V row read (and converted to float32) once
+// for the G query heads that share it. Scores, softmax and the weighted sum of V are float32
+// whatever the cache's dtype. GQA: head h reads kv head h / (num_heads / kv_heads).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -18,18 +19,81 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
 
-template <typename T>
-inline float as_float(T x) { return static_cast<float>(x); }
+// One sequence's context, walked block by block (no division per token): f(position, the
+// token's K or V row base for this layer). Blocks sit at random places, where the hardware's
+// prefetcher cannot follow: while token t of a block is used, the same token's row of the
+// next block (`row` elements: every KV head) is asked for ahead.
+template <typename T, typename F>
+inline void for_each_token(const T* base, const int32_t* tab, int64_t L, int64_t bs, int64_t stride_b,
+                           int64_t stride_t, int64_t row, F f) {
+  const int64_t nb = (L + bs - 1) / bs;
+  for (int64_t b = 0, p = 0; p < L; ++b) {
+    const T* blk = base + static_cast<int64_t>(tab[b]) * stride_b;
+    const char* next = b + 1 < nb ? reinterpret_cast<const char*>(base + static_cast<int64_t>(tab[b + 1]) * stride_b)
+                                  : nullptr;
+    for (int64_t t = 0; t < bs && p < L; ++t, ++p) {
+      if (next != nullptr)
+        for (int64_t c = 0; c < row * static_cast<int64_t>(sizeof(T)); c += 64)
+          __builtin_prefetch(next + t * stride_t * static_cast<int64_t>(sizeof(T)) + c);
+      f(p, blk + t * stride_t);
+    }
+  }
+}
 
-template <typename T>
+// A K/V row as float32: the row itself when it is float32, else converted once into `buf`
+// (bfloat16 is the top half of a float32: a shift, which the compiler vectorizes).
+inline const float* as_floats(const float* row, float*, int64_t) { return row; }
+__attribute__((always_inline)) inline const float* as_floats(const c10::BFloat16* row, float* buf, int64_t n) {
+  const uint16_t* r = reinterpret_cast<const uint16_t*>(row);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = static_cast<uint32_t>(r[i]) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    buf[i] = f;
+  }
+  return buf;
+}
+
+__attribute__((always_inline)) inline float dot(const float* a, const float* b, int64_t n) {
+  float d = 0.f;
+#pragma omp simd reduction(+ : d)
+  for (int64_t i = 0; i < n; ++i) d += a[i] * b[i];
+  return d;
+}
+
+// The G query heads of one KV head against a row: G dots that share the row's loads.
+// Written out for the common group sizes so each keeps its own accumulator.
+__attribute__((always_inline)) inline void dots(const float* q, const float* k, int64_t G, int64_t D, float* out, int64_t out_stride) {
+  if (G == 1) {
+    out[0] = dot(q, k, D);
+  } else if (G == 2) {
+    float a = 0.f, b = 0.f;
+#pragma omp simd reduction(+ : a, b)
+    for (int64_t i = 0; i < D; ++i) a += q[i] * k[i], b += q[D + i] * k[i];
+    out[0] = a, out[out_stride] = b;
+  } else if (G == 3) {
+    float a = 0.f, b = 0.f, c = 0.f;
+#pragma omp simd reduction(+ : a, b, c)
+    for (int64_t i = 0; i < D; ++i) a += q[i] * k[i], b += q[D + i] * k[i], c += q[2 * D + i] * k[i];
+    out[0] = a, out[out_stride] = b, out[2 * out_stride] = c;
+  } else {
+    for (int64_t g = 0; g < G; ++g) out[g * out_stride] = dot(q + g * D, k, D);
+  }
+}
+
+// DC: the head dim when known at compile time (64, 128: fixed trip counts, no remainder
+// loops), 0 for any other (the run-time head dim).
+template <typename T, int DC>
 void decode_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& rows,
                  const at::Tensor& out, double scale) {
-  const int64_t S = rows.size(0), H = q.size(1), D = q.size(2);
+  const int64_t S = rows.size(0), H = q.size(1), D = DC > 0 ? DC : q.size(2);
   const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), KVH = k_cache.size(2);
   const int64_t G = H / KVH, max_blocks = block_tables.size(1);
   const T* qp = q.data_ptr<T>();
@@ -56,26 +120,19 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
     }
   }
   at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(H * D), qv(H * D), inv(H);
+    std::vector<float> scores, acc(H * D), qv(H * D), inv(H), row(D);
     for (int64_t s = begin; s < end; ++s) {
-      const int64_t L = sl[s], row = rw[s];
+      const int64_t L = sl[s], r = rw[s];
       const int32_t* tab = bt + s * bts;
       scores.resize(H * L);
       for (int64_t h = 0; h < H; ++h)
-        for (int64_t i = 0; i < D; ++i) qv[h * D + i] = as_float(qp[row * qs + h * qh + i]) * sc;
-      for (int64_t p = 0; p < L; ++p) {
-        const T* kblk = kp + static_cast<int64_t>(tab[p / bs]) * kb + (p % bs) * kt;
-        for (int64_t j = 0; j < KVH; ++j) {
-          const T* kr = kblk + j * kh;
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qg = qv.data() + (j * G + g) * D;
-            float d = 0.f;
-#pragma omp simd reduction(+ : d)
-            for (int64_t i = 0; i < D; ++i) d += qg[i] * as_float(kr[i]);
-            scores[(j * G + g) * L + p] = d;
-          }
-        }
-      }
+        for (int64_t i = 0; i < D; ++i) qv[h * D + i] = static_cast<float>(qp[r * qs + h * qh + i]) * sc;
+      // scores[h * L + p]: each K row read (and converted) once for its G query heads
+      for_each_token(kp, tab, L, bs, kb, kt, (KVH - 1) * kh + D, [&](int64_t p, const T* krow) {
+        for (int64_t j = 0; j < KVH; ++j)
+          dots(qv.data() + j * G * D, as_floats(krow + j * kh, row.data(), D), G, D,
+               scores.data() + j * G * L + p, L);
+      });
       for (int64_t h = 0; h < H; ++h) {
         float* sh = scores.data() + h * L;
         float m = sh[0];
@@ -89,22 +146,37 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
         inv[h] = 1.f / t;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t p = 0; p < L; ++p) {
-        const T* vblk = vp + static_cast<int64_t>(tab[p / bs]) * vb + (p % bs) * vt;
-        for (int64_t h = 0; h < H; ++h) {
-          const T* vr = vblk + (h / G) * vh;
-          const float w = scores[h * L + p];
-          float* a = acc.data() + h * D;
+      for_each_token(vp, tab, L, bs, vb, vt, (KVH - 1) * vh + D, [&](int64_t p, const T* vrow) {
+        for (int64_t j = 0; j < KVH; ++j) {
+          const float* v = as_floats(vrow + j * vh, row.data(), D);
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t h = j * G + g;
+            const float w = scores[h * L + p];
+            float* a = acc.data() + h * D;
 #pragma omp simd
-          for (int64_t i = 0; i < D; ++i) a[i] += w * as_float(vr[i]);
+            for (int64_t i = 0; i < D; ++i) a[i] += w * v[i];
+          }
         }
-      }
+      });
       for (int64_t h = 0; h < H; ++h) {
-        T* o = op + row * os + h * oh;
+        T* o = op + r * os + h * oh;
         for (int64_t i = 0; i < D; ++i) o[i] = static_cast<T>(acc[h * D + i] * inv[h]);
       }
     }
   });
+}
+
+template <typename T>
+void by_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& rows,
+                 const at::Tensor& out, double scale) {
+  if (q.size(2) == 64) {
+    decode_rows<T, 64>(q, k_cache, v_cache, block_tables, seq_lens, rows, out, scale);
+  } else if (q.size(2) == 128) {
+    decode_rows<T, 128>(q, k_cache, v_cache, block_tables, seq_lens, rows, out, scale);
+  } else {
+    decode_rows<T, 0>(q, k_cache, v_cache, block_tables, seq_lens, rows, out, scale);
+  }
 }
 
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -126,9 +198,9 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
               "seq_lens and rows: contiguous int64, one per block table row");
   if (rows.numel() == 0) return;
   if (q.scalar_type() == at::kFloat) {
-    decode_rows<float>(q, k_cache, v_cache, block_tables, seq_lens, rows, out, scale);
+    by_head_dim<float>(q, k_cache, v_cache, block_tables, seq_lens, rows, out, scale);
   } else if (q.scalar_type() == at::kBFloat16) {
-    decode_rows<c10::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, rows, out, scale);
+    by_head_dim<c10::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, rows, out, scale);
   } else {
     TORCH_CHECK(false, "dtype ", q.scalar_type(), " is not supported (float32, bfloat16)");
   }
