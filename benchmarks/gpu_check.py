@@ -1,7 +1,8 @@
 """The prepared GPU check (issue 16): one call on a lent CUDA machine, well under 8 minutes.
 
 1. kernels: the Triton kernels against the torch reference on mixed batches, fp32 / fp16 / bf16
-   (kernels_gpu.check_correctness), and a device-to-device copy's bandwidth;
+   (kernels_gpu.check_correctness), a device-to-device copy's bandwidth and a bf16 matrix
+   product's rate (the figures `tp_roofline.py --measured` takes instead of the spec sheet's);
 2. parity: the engine on CUDA with the Triton backend, greedy, float32, token-identical to
    transformers on the same GPU, on the tiny Llama (made there) and on SmolLM2-135M-Instruct's
    GGUF: block sizes 16 and 32, a small token budget (chunked prefill) and a KV pool small
@@ -245,8 +246,11 @@ def kernels(args) -> dict:
 
     rows = kernels_gpu.check_correctness(get_ops("cuda"), reference)
     bw = kernels_gpu.copy_bandwidth(1 << 30)
-    return {"correctness": rows, "copy_GBps": bw / 1e9, "device": torch.cuda.get_device_name(),
-            "ok": all(r["ok"] and not r["nan"] for r in rows)}
+    n = 8192  # the bf16 matrix rate on random data (tp_roofline.py --measured reads both figures)
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    mm = kernels_gpu.cuda_time(lambda: a @ b, warmup=3, reps=10)
+    return {"correctness": rows, "copy_GBps": bw / 1e9, "matmul_bf16_tflops": 2 * n ** 3 / mm / 1e12,
+            "device": torch.cuda.get_device_name(), "ok": all(r["ok"] and not r["nan"] for r in rows)}
 
 
 def tp_group(args) -> dict:
