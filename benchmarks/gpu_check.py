@@ -200,11 +200,10 @@ def parity(name: str, model: str, hf_dir: str, gguf_file: str | None, args) -> d
 
 def decode_rate(name: str, model: str, dtype: str, args) -> list[dict]:
     """Output tokens/s of a decode step at each batch (prompts of 128 random tokens, greedy)."""
-    import random
-
     import torch
 
-    from folio.worker import LLM, SamplingParams
+    from folio.worker import LLM
+    from profile_step import add_random_requests, prefill_all
 
     batches = [1, 16] if args.quick else [1, 4, 16, 64, 128, 256]
     steps, ctx = (3, 32) if args.quick else (10, 128)
@@ -212,15 +211,10 @@ def decode_rate(name: str, model: str, dtype: str, args) -> list[dict]:
     llm = LLM(model, device=args.device, dtype=dtype, block_size=16, max_num_seqs=max(batches),
               num_kv_blocks=max(batches) * (-(-per_seq // 16)) + 16, max_model_len=512, enable_prefix_caching=False,
               max_num_batched_tokens=8192)
-    eng, vocab, rng, rows = llm.engine, len(llm.tokenizer), random.Random(0), []
+    eng, rows = llm.engine, []
     for b in batches:
-        for i in range(b):
-            eng.add_request(f"{b}-{i}", [rng.randrange(16, vocab) for _ in range(ctx)],
-                            SamplingParams(max_tokens=3 * steps + 4, temperature=0.0, ignore_eos=True,
-                                           detokenize=False))
-        while eng.scheduler.num_waiting or any(s.num_computed_tokens < s.num_prompt_tokens
-                                               for s in eng.scheduler.running):
-            eng.step()
+        add_random_requests(eng, b, ctx, 3 * steps + 4, prefix=f"{b}-", seed=b)
+        prefill_all(eng)
         for _ in range(2):
             eng.step()
         t0 = time.perf_counter()

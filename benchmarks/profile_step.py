@@ -18,6 +18,22 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def add_random_requests(eng, batch: int, context: int, max_tokens: int, prefix: str = "r", seed: int = 0) -> None:
+    """`batch` greedy requests of `context` random prompt tokens (EOS ignored, no text)."""
+    from folio.worker import SamplingParams
+
+    rng, vocab = random.Random(seed), len(eng.tokenizer)
+    for i in range(batch):
+        eng.add_request(f"{prefix}{i}", [rng.randrange(16, vocab) for _ in range(context)],
+                        SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False))
+
+
+def prefill_all(eng) -> None:
+    """Step until every request has its prompt computed: the next steps are decode steps."""
+    while eng.scheduler.num_waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running):
+        eng.step()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -31,26 +47,19 @@ def main() -> None:
 
     from torch.profiler import ProfilerActivity, profile
 
-    from folio.worker import LLM, SamplingParams
+    from folio.worker import LLM
 
     per_seq = args.context + 3 * args.steps + 32
     llm = LLM(args.model, dtype=args.dtype, block_size=16, num_kv_blocks=args.batch * per_seq // 16 + 64,
               max_model_len=2048, max_num_seqs=256, enable_prefix_caching=False)
     eng = llm.engine
-    vocab = len(llm.tokenizer)
-    rng = random.Random(0)
-    for i in range(args.batch):
-        eng.add_request(f"r{i}", [rng.randrange(16, vocab) for _ in range(args.context)],
-                        SamplingParams(max_tokens=3 * args.steps + 8, temperature=0.0, ignore_eos=True,
-                                       detokenize=False))
+    add_random_requests(eng, args.batch, args.context, 3 * args.steps + 8)
     if args.prefill:
         eng.step()  # the first chunk: warm-up
         what = "prefill step"
         n = 1
     else:
-        while eng.scheduler.num_waiting or any(s.num_computed_tokens < s.num_prompt_tokens
-                                               for s in eng.scheduler.running):
-            eng.step()
+        prefill_all(eng)
         for _ in range(3):
             eng.step()
         t0 = time.perf_counter()
