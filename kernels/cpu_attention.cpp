@@ -11,6 +11,11 @@
 // order, every KV head of a token at once, each K/V row read (and converted to float32) once
 // for the G query heads that share it. Scores, softmax and the weighted sum of V are float32
 // whatever the cache's dtype. GQA: head h reads kv head h / (num_heads / kv_heads).
+//
+// bfloat16 with head dim 64 or 128 and G <= 4, on a CPU with AVX512_BF16 (decode_seq_bf16):
+// products by vdpbf16ps instead (K and V never converted), one KV head at a time so that all
+// of its accumulators stay in registers, and the next sequence's K/V prefetched while this one
+// is computed (that order would otherwise wait on memory at each block: they sit at random).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -20,7 +25,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+#include <immintrin.h>
 
 namespace {
 
@@ -87,6 +94,147 @@ __attribute__((always_inline)) inline void dots(const float* q, const float* k, 
   }
 }
 
+
+// Brings the next sequence's K/V into the cache while this one is computed: a few lines at a
+// time, from the loops (a burst of prefetches would stall on the core's miss buffers).
+#ifndef PUMP_LINES
+#define PUMP_LINES 16
+#endif
+#ifndef PUMP_BYTES
+#define PUMP_BYTES (384 << 10)
+#endif
+struct Pump {
+  std::vector<std::pair<const char*, int64_t>> ranges;  // (start, bytes)
+  size_t i = 0;
+  int64_t off = 0;
+  void clear() { ranges.clear(), i = 0, off = 0; }
+  void add(const void* p, int64_t bytes) { ranges.emplace_back(static_cast<const char*>(p), bytes); }
+  __attribute__((always_inline)) inline void step(int n) {
+    while (n-- > 0 && i < ranges.size()) {
+      __builtin_prefetch(ranges[i].first + off, 0, 2);
+      off += 64;
+      if (off >= ranges[i].second) ++i, off = 0;
+    }
+  }
+};
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define FOLIO_BF16_DOT 1
+// bfloat16 on a CPU with AVX512_BF16: the dots by vdpbf16ps (pairs of bf16 products summed
+// into float32 lanes; no conversion of K), and the weighted sum of V the same way over pairs
+// of tokens (two V rows interleaved by vpunpck{l,h}wd, the pair's two weights rounded to
+// bf16, as torch's CPU SDPA rounds them before its bf16 product with V). One KV head at a
+// time for all its G query heads, so every accumulator stays in a register.
+
+template <int D, int G>
+void decode_seq_bf16(const c10::BFloat16* qrow, int64_t qh, c10::BFloat16* orow, int64_t oh,
+                     const c10::BFloat16* const* krows, const c10::BFloat16* const* vrows, int64_t L,
+                     int64_t KVH, int64_t kh, int64_t vh, float sc, std::vector<float>& scores,
+                     std::vector<uint16_t>& w16, Pump& pump) {
+  constexpr int C = D / 32;  // 32-bf16 chunks per row
+  scores.resize(G * L);
+  w16.resize(G * (L + 1));
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t j = 0; j < KVH; ++j) {
+    __m512bh qv[G][C];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < C; ++c)
+        qv[g][c] = (__m512bh)_mm512_loadu_si512(qrow + (j * G + g) * qh + 32 * c);
+    float* s = scores.data();
+    int64_t p = 0;
+    for (; p + 4 <= L; p += 4) {  // four tokens' dots summed across lanes together
+      pump.step(12);
+      __m512 a[G][4];
+      for (int u = 0; u < 4; ++u) {
+        const c10::BFloat16* k = krows[p + u] + j * kh;
+        __m512bh kc[C];
+        for (int c = 0; c < C; ++c) kc[c] = (__m512bh)_mm512_loadu_si512(k + 32 * c);
+        for (int g = 0; g < G; ++g) {
+          a[g][u] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kc[0]);
+          for (int c = 1; c < C; ++c) a[g][u] = _mm512_dpbf16_ps(a[g][u], qv[g][c], kc[c]);
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        const __m512 t01 = _mm512_add_ps(_mm512_unpacklo_ps(a[g][0], a[g][1]), _mm512_unpackhi_ps(a[g][0], a[g][1]));
+        const __m512 t23 = _mm512_add_ps(_mm512_unpacklo_ps(a[g][2], a[g][3]), _mm512_unpackhi_ps(a[g][2], a[g][3]));
+        // each 128-bit lane: [u0, u1, u2, u3] partial sums
+        const __m512 t = _mm512_add_ps(_mm512_shuffle_ps(t01, t23, 0x44), _mm512_shuffle_ps(t01, t23, 0xEE));
+        const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(t), _mm512_extractf32x8_ps(t, 1));
+        const __m128 r = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+        _mm_storeu_ps(s + g * L + p, _mm_mul_ps(r, _mm_set1_ps(sc)));
+      }
+    }
+    for (; p < L; ++p) {
+      pump.step(3);
+      const c10::BFloat16* k = krows[p] + j * kh;
+      __m512bh kc[C];
+      for (int c = 0; c < C; ++c) kc[c] = (__m512bh)_mm512_loadu_si512(k + 32 * c);
+      for (int g = 0; g < G; ++g) {
+        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[g][0], kc[0]);
+        for (int c = 1; c < C; ++c) a = _mm512_dpbf16_ps(a, qv[g][c], kc[c]);
+        s[g * L + p] = _mm512_reduce_add_ps(a) * sc;
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      float* sh = s + g * L;
+      float m = sh[0];
+      for (int64_t p = 1; p < L; ++p) m = std::max(m, sh[p]);
+      float t = 0.f;
+#pragma omp simd reduction(+ : t)
+      for (int64_t p = 0; p < L; ++p) {
+        sh[p] = expf(sh[p] - m);
+        t += sh[p];
+      }
+      const float inv = 1.f / t;
+      uint16_t* w = w16.data() + g * (L + 1);
+      const __m512 iv = _mm512_set1_ps(inv);
+      int64_t p = 0;
+      for (; p + 16 <= L; p += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + p),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(sh + p), iv)));
+      for (; p < L; ++p) w[p] = c10::BFloat16(sh[p] * inv).x;
+      w[L] = 0;
+    }
+    __m512 acc[G][2 * C];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < 2 * C; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < L; p += 2) {
+      pump.step(3);
+      const c10::BFloat16* a = vrows[p] + j * vh;
+      const c10::BFloat16* b = p + 1 < L ? vrows[p + 1] + j * vh : nullptr;
+      __m512i lo[C], hi[C];
+      for (int c = 0; c < C; ++c) {
+        const __m512i va = _mm512_loadu_si512(a + 32 * c);
+        const __m512i vb = b != nullptr ? _mm512_loadu_si512(b + 32 * c) : zero;
+        lo[c] = _mm512_unpacklo_epi16(va, vb);
+        hi[c] = _mm512_unpackhi_epi16(va, vb);
+      }
+      for (int g = 0; g < G; ++g) {
+        const uint16_t* w = w16.data() + g * (L + 1) + p;
+        const __m512bh pw = (__m512bh)_mm512_set1_epi32(static_cast<int>(w[0] | (static_cast<uint32_t>(w[1]) << 16)));
+        for (int c = 0; c < C; ++c) {
+          acc[g][2 * c] = _mm512_dpbf16_ps(acc[g][2 * c], pw, (__m512bh)lo[c]);
+          acc[g][2 * c + 1] = _mm512_dpbf16_ps(acc[g][2 * c + 1], pw, (__m512bh)hi[c]);
+        }
+      }
+    }
+    // lane m of the lo accumulator of chunk c holds dim 32c + 8(m/4) + m%4; of the hi one, + 4
+    for (int g = 0; g < G; ++g) {
+      c10::BFloat16* o = orow + (j * G + g) * oh;
+      for (int c = 0; c < C; ++c) {
+        alignas(64) float lo[16], hi[16];
+        _mm512_store_ps(lo, acc[g][2 * c]);
+        _mm512_store_ps(hi, acc[g][2 * c + 1]);
+        for (int m = 0; m < 16; ++m) {
+          const int d = 32 * c + 8 * (m / 4) + m % 4;
+          o[d] = c10::BFloat16(lo[m]);
+          o[d + 4] = c10::BFloat16(hi[m]);
+        }
+      }
+    }
+  }
+}
+#endif
+
 // DC: the head dim when known at compile time (64, 128: fixed trip counts, no remainder
 // loops), 0 for any other (the run-time head dim).
 template <typename T, int DC>
@@ -119,16 +267,65 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       TORCH_CHECK(b >= 0 && b < num_blocks, "sequence ", s, ": block ", b, " outside the cache's ", num_blocks);
     }
   }
+  // the blocks of sequence s (when it is this task's) into the pump, K and V
+  auto next_into = [&](Pump& pump, int64_t s, int64_t end) {
+    pump.clear();
+    if (s >= end) return;
+    const int32_t* nt = bt + s * bts;
+    const int64_t nL = sl[s];
+    int64_t budget = PUMP_BYTES;  // a long context's first part only: the rest would evict it
+    for (int64_t b = 0; b * bs < nL && budget > 0; ++b) {
+      const int64_t bytes = ((std::min(bs, nL - b * bs) - 1) * kt + (KVH - 1) * kh + D) * static_cast<int64_t>(sizeof(T));
+      pump.add(kp + nt[b] * kb, bytes);
+      pump.add(vp + nt[b] * vb, bytes);
+      budget -= 2 * bytes;
+    }
+  };
   at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
+#ifdef FOLIO_BF16_DOT
+    if constexpr (std::is_same_v<T, c10::BFloat16> && (DC == 64 || DC == 128)) {
+      if (G >= 1 && G <= 4) {
+        std::vector<float> sbuf;
+        std::vector<uint16_t> wbuf;
+        std::vector<const T*> kr, vr;
+        Pump pump;
+        for (int64_t s = begin; s < end; ++s) {
+          const int64_t L = sl[s], r = rw[s];
+          const int32_t* tab = bt + s * bts;
+          kr.resize(L), vr.resize(L);
+          for (int64_t p = 0; p < L; ++p) {
+            const int64_t b = tab[p / bs], t = p % bs;
+            kr[p] = kp + b * kb + t * kt;
+            vr[p] = vp + b * vb + t * vt;
+          }
+          next_into(pump, s + 1, end);
+          const T* qrow = qp + r * qs;
+          T* orow = op + r * os;
+#define FOLIO_G(GG) decode_seq_bf16<DC, GG>(qrow, qh, orow, oh, kr.data(), vr.data(), L, KVH, kh, vh, sc, sbuf, wbuf, pump)
+          switch (G) {
+            case 1: FOLIO_G(1); break;
+            case 2: FOLIO_G(2); break;
+            case 3: FOLIO_G(3); break;
+            default: FOLIO_G(4); break;
+          }
+#undef FOLIO_G
+        }
+        return;
+      }
+    }
+#endif
     std::vector<float> scores, acc(H * D), qv(H * D), inv(H), row(D);
+    Pump pump;
     for (int64_t s = begin; s < end; ++s) {
       const int64_t L = sl[s], r = rw[s];
       const int32_t* tab = bt + s * bts;
+      next_into(pump, s + 1, end);
       scores.resize(H * L);
       for (int64_t h = 0; h < H; ++h)
         for (int64_t i = 0; i < D; ++i) qv[h * D + i] = static_cast<float>(qp[r * qs + h * qh + i]) * sc;
       // scores[h * L + p]: each K row read (and converted) once for its G query heads
       for_each_token(kp, tab, L, bs, kb, kt, (KVH - 1) * kh + D, [&](int64_t p, const T* krow) {
+        pump.step(PUMP_LINES);
         for (int64_t j = 0; j < KVH; ++j)
           dots(qv.data() + j * G * D, as_floats(krow + j * kh, row.data(), D), G, D,
                scores.data() + j * G * L + p, L);
@@ -147,6 +344,7 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for_each_token(vp, tab, L, bs, vb, vt, (KVH - 1) * vh + D, [&](int64_t p, const T* vrow) {
+        pump.step(PUMP_LINES);
         for (int64_t j = 0; j < KVH; ++j) {
           const float* v = as_floats(vrow + j * vh, row.data(), D);
           for (int64_t g = 0; g < G; ++g) {
