@@ -3,9 +3,15 @@ one prefill step), grouped by op and input shape.
 
     python benchmarks/profile_step.py --model DIR_OR_GGUF [--dtype bfloat16] [--batch 64]
         [--context 128] [--steps 10] [--prefill] [--rows 16]
+        [--ab-small-ops [--out FILE.json]]
 
 It first times `--steps` steps without the profiler (the figure to compare between changes,
 in an interleaved A/B: this machine drifts), then profiles as many and prints the table.
+
+--ab-small-ops: no profile; decode steps alternate, in this one process, between the backend's
+ops as they are and the same backend with the forward's small ops (norms, SiLU) and the
+sampler's argmax on torch's reference chains (A B B A per round of --steps steps each): what
+the fused C++ ops gain, free of the drift between processes.
 """
 
 from __future__ import annotations
@@ -43,17 +49,23 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--prefill", action="store_true", help="profile one prefill step instead of decode steps")
     ap.add_argument("--rows", type=int, default=16, help="rows of the profiler's table")
+    ap.add_argument("--ab-small-ops", action="store_true", help="time fused vs reference small ops, alternated")
+    ap.add_argument("--rounds", type=int, default=4, help="--ab-small-ops: A B B A rounds")
+    ap.add_argument("--out", help="--ab-small-ops: write the figures here (JSON)")
     args = ap.parse_args()
 
     from torch.profiler import ProfilerActivity, profile
 
     from folio.worker import LLM
 
-    per_seq = args.context + 3 * args.steps + 32
+    per_seq = args.context + 3 * args.steps + 32 + (4 * args.rounds * args.steps if args.ab_small_ops else 0)
     llm = LLM(args.model, dtype=args.dtype, block_size=16, num_kv_blocks=args.batch * per_seq // 16 + 64,
               max_model_len=2048, max_num_seqs=256, enable_prefix_caching=False)
     eng = llm.engine
-    add_random_requests(eng, args.batch, args.context, 3 * args.steps + 8)
+    add_random_requests(eng, args.batch, args.context, 3 * args.steps + 8
+                        + (4 * args.rounds * args.steps if args.ab_small_ops else 0))
+    if args.ab_small_ops:
+        return ab_small_ops(eng, args)
     if args.prefill:
         eng.step()  # the first chunk: warm-up
         what = "prefill step"
@@ -75,6 +87,45 @@ def main() -> None:
     print(f"torch profiler, {what}:")
     print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=args.rows,
                                                              max_name_column_width=36))
+
+
+def ab_small_ops(eng, args) -> None:
+    import dataclasses
+    import json
+    import statistics
+
+    from folio.kernels import reference
+    from folio.worker import sampler
+
+    model = eng.runner.model
+    fused = model.ops
+    ref = dataclasses.replace(fused, rms_norm=reference.rms_norm, add_rms_norm=reference.add_rms_norm,
+                              silu_mul=reference.silu_mul)
+    fused_argmax = sampler.cpu_ops.argmax_rows
+    prefill_all(eng)
+    for _ in range(3):
+        eng.step()
+    ms: dict[str, list[float]] = {"fused": [], "reference": []}
+    try:
+        for _ in range(args.rounds):
+            for which in ("fused", "reference", "reference", "fused"):
+                model.ops = fused if which == "fused" else ref
+                sampler.cpu_ops.argmax_rows = fused_argmax if which == "fused" else (lambda x: x.argmax(dim=-1))
+                eng.step()  # one step to settle
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    eng.step()
+                ms[which].append(round((time.perf_counter() - t0) / args.steps * 1e3, 2))
+    finally:
+        model.ops, sampler.cpu_ops.argmax_rows = fused, fused_argmax
+    doc = {"benchmark": "profile_step --ab-small-ops", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+           "model": os.path.basename(args.model), "dtype": args.dtype, "batch": args.batch, "context": args.context,
+           "backend": fused.name, "decode_step_ms": ms,
+           "median_ms": {k: statistics.median(v) for k, v in ms.items()}}
+    print(json.dumps(doc, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=2)
 
 
 if __name__ == "__main__":

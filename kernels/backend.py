@@ -2,7 +2,8 @@
 
     FOLIO_ATTENTION_BACKEND=torch|cpp|triton   overrides the choice
     default                                     triton on CUDA; on CPU cpp (decode attention in
-                                                C++, cpu_attention.py) when it builds, else torch
+                                                C++, cpu_attention.py, and for bfloat16 the fused
+                                                norms and SiLU of cpu_ops.py) when it builds, else torch
 
 Tests run the Triton kernels on CPU with TRITON_INTERPRET=1 (set before triton is
 imported) and FOLIO_ATTENTION_BACKEND=triton.
@@ -31,6 +32,10 @@ class KernelOps:
     copy_blocks: Callable
     swap_blocks: Callable
     plan_attention: Callable  # (block_tables, seq_lens, query_start_loc, block_size, kv_bytes) -> plan
+    # the forward's small ops (reference.py's contracts); fused in C++ for bfloat16 on CPU
+    rms_norm: Callable = reference.rms_norm
+    add_rms_norm: Callable = reference.add_rms_norm
+    silu_mul: Callable = reference.silu_mul
 
 
 TORCH_OPS = KernelOps("torch", reference.write_kv, reference.paged_attention, reference.copy_blocks,
@@ -53,10 +58,11 @@ def _triton_ops() -> KernelOps:
 
 
 def _cpp_ops() -> KernelOps:
-    from folio.kernels import cpu_attention
+    from folio.kernels import cpu_attention, cpu_ops
 
     return KernelOps("cpp", reference.write_kv, cpu_attention.paged_attention, reference.copy_blocks,
-                     reference.swap_blocks, cpu_attention.plan)
+                     reference.swap_blocks, cpu_attention.plan, cpu_ops.rms_norm, cpu_ops.add_rms_norm,
+                     cpu_ops.silu_mul)
 
 
 _warned: set[str] = set()

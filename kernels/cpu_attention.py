@@ -30,6 +30,8 @@ from folio.kernels.errors import KernelInputError
 
 log = logging.getLogger("folio.kernels")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_attention.cpp")
+# the library's sources: the attention, and the small fused ops of cpu_ops.py (one .so, one load)
+SOURCES = (SOURCE, os.path.join(os.path.dirname(SOURCE), "cpu_ops.cpp"))
 # -ffast-math when compiling only (it lets expf vectorize through glibc's libmvec): linked
 # with it, gcc adds crtfastmath.o, whose constructor turns on flush-to-zero for the whole
 # process when the library loads, and every torch op would lose subnormals.
@@ -51,8 +53,10 @@ def _cpu_flags() -> str:
 
 def library_path() -> str:
     """Where this source, built for this CPU and this torch, lives."""
-    with open(SOURCE, "rb") as f:
-        src = f.read()
+    src = b""
+    for source in SOURCES:
+        with open(source, "rb") as f:
+            src += f.read() + b"\0"
     cxx = os.environ.get("CXX", "c++")
     key = hashlib.sha256(b"\0".join([src, " ".join([cxx] + FLAGS).encode(), torch.__version__.encode(),
                                      _cpu_flags().encode()])).hexdigest()[:20]
@@ -67,12 +71,12 @@ def build(path: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(path))
     os.close(fd)
-    obj = tmp[:-3] + ".o"
+    objs = [f"{tmp[:-3]}.{i}.o" for i in range(len(SOURCES))]
     cxx = os.environ.get("CXX", "c++")
     abi = int(torch.compiled_with_cxx11_abi())
-    steps = [[cxx, *COMPILE, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *[f"-I{p}" for p in include_paths()], SOURCE,
-              "-o", obj],
-             [cxx, *LINK, obj, "-o", tmp, *[f"-L{p}" for p in library_paths()], "-lc10", "-ltorch_cpu"]]
+    steps = [[cxx, *COMPILE, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *[f"-I{p}" for p in include_paths()], source,
+              "-o", obj] for source, obj in zip(SOURCES, objs)]
+    steps.append([cxx, *LINK, *objs, "-o", tmp, *[f"-L{p}" for p in library_paths()], "-lc10", "-ltorch_cpu"])
     try:
         for cmd in steps:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -80,7 +84,7 @@ def build(path: str) -> None:
                 raise RuntimeError(f"{cmd[0]} exited {done.returncode}: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, path)
     finally:
-        for f in (tmp, obj):
+        for f in (tmp, *objs):
             if os.path.exists(f):
                 os.unlink(f)
 

@@ -183,3 +183,25 @@ def swap_blocks(
             srcs.append(src[s : s + n])
             dsts.append(dst[d : d + n])
     torch._foreach_copy_(dsts, srcs, non_blocking=True)
+
+
+# The forward's small ops, as transformers computes them (the CPU's fused versions: cpu_ops.py)
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Statistics in float32, scale in the input dtype (LlamaRMSNorm)."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def add_rms_norm(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next norm: (h + r, rms_norm(h + r))."""
+    h = h + r
+    return h, rms_norm(h, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, gate_up = [gate | up] on the last dim (the fused gate/up projection's output)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

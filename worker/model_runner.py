@@ -224,7 +224,8 @@ class ModelRunner:
                                                   self.block_size, kernels.kv_bytes_per_token(self.kv_caches[0][0]))
 
     def execute(self, inputs: ModelInputs, batches: list[list[int]] | None = None) -> torch.Tensor | None:
-        """Run the model; logits [len(sample_rows), vocab] in float32, or None if nothing samples.
+        """Run the model; logits [len(sample_rows), vocab] in the model's dtype (the sampler makes
+        float32 what it needs to), or None if nothing samples.
         The LM-head calls are those of `batches` (logit_batches(inputs) when not given), in order."""
         hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
         batches = iter(self.logit_batches(inputs) if batches is None else batches)
@@ -232,11 +233,12 @@ class ModelRunner:
             self._prompt_logprobs(hidden, inputs.prompt_rows, batches)
         if not inputs.sample_rows:
             return None
-        return self._logits(hidden, next(batches))
+        return self._logits(hidden, next(batches), as_float=False)
 
-    def _logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    def _logits(self, hidden: torch.Tensor, rows: list[int], as_float: bool = True) -> torch.Tensor:
         idx = torch.tensor(rows, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, idx)).float()
+        logits = self.model.compute_logits(hidden.index_select(0, idx))
+        return logits.float() if as_float else logits
 
     PROMPT_LOGITS_ROWS = 256  # prompt positions per LM-head call (bounds the [rows, vocab] logits)
 

@@ -17,6 +17,7 @@ from typing import Protocol, Sequence
 
 import torch
 
+from folio.kernels import cpu_ops
 from folio.worker.sampling_params import SamplingParams
 
 
@@ -234,10 +235,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
            histories: Sequence[History] | None = None, eos_ids=(), grammars=None) -> SampleResult:
     """logits [N, V] (any float dtype) -> one token per row. `histories` (each row's tokens so
     far) and `eos_ids` are needed by rows whose params process logits (penalties, min_tokens...)."""
-    logits = logits.float()
     n = logits.shape[0]
+    if all(p.greedy and p.logprobs is None and not p.processes_logits for p in params):
+        # plain greedy rows: the argmax of the model's own logits (exact in any dtype), no float copy
+        return SampleResult(cpu_ops.argmax_rows(logits).tolist(), [None] * n)
+    logits = logits.float()
     processed = process_logits(logits, params, histories, eos_ids, grammars)
-    tokens = processed.argmax(dim=-1)
+    tokens = cpu_ops.argmax_rows(processed)  # torch.argmax's indices, ~10x faster on a CPU's vocab rows
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
         dense = _sample_truncated(processed, tokens, [i for i in sampled if _truncates(params[i])], params,

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from folio import kernels
 from folio.kernels.linear import Linear
@@ -36,14 +35,6 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: Linear
     down: Linear
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As transformers computes it: statistics in float32, scale in the input dtype."""
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
 
 
 class LlamaModel:
@@ -79,21 +70,22 @@ class LlamaModel:
         T = h.shape[0]
         cos, sin = self.rope.cos_sin(positions)
         qk_size = self.q_size + self.kv_size
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = rms_norm(h, layer.input_norm, eps)
+        ops = self.ops
+        # each residual add is fused with the norm after it (the next layer's input norm, or the last)
+        x = ops.rms_norm(h, self.layers[0].input_norm, eps) if self.layers else h
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             qkv = layer.qkv(x)
             # q and k rotate together: [T, heads + kv_heads, head_dim] views of the fused output
             qk = self.rope.rotate(qkv[:, :qk_size].view(T, nh + nkv, c.head_dim), cos, sin)
             q, k = qk.split([nh, nkv], dim=1)
             v = qkv[:, qk_size:].view(T, nkv, c.head_dim)
-            self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            attn = self.ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                           meta.query_start_loc, self.scale, plan=meta.plan)
-            h = h + g.all_reduce(layer.o(attn.reshape(T, self.q_size)))
-            x = rms_norm(h, layer.post_norm, eps)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + g.all_reduce(layer.down(F.silu(gate) * up))
-        return rms_norm(h, self.norm, eps)
+            ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            attn = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                       meta.query_start_loc, self.scale, plan=meta.plan)
+            h, x = ops.add_rms_norm(h, g.all_reduce(layer.o(attn.reshape(T, self.q_size))), layer.post_norm, eps)
+            nxt = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm
+            h, x = ops.add_rms_norm(h, g.all_reduce(layer.down(ops.silu_mul(layer.gate_up(x)))), nxt, eps)
+        return x if self.layers else ops.rms_norm(h, self.norm, eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,58 @@
+"""Small fused ops for the CPU forward (cpu_ops.cpp, built into the attention's library by
+cpu_attention.py), each falling back to the reference's torch chain (reference.py), which is
+also its oracle in the tests.
+
+`argmax_rows` is exact for every float32 or bfloat16 input (torch.argmax's first maximum, its
+NaN rule), so greedy sampling uses it at every dtype, on bfloat16 logits without a float copy. The bfloat16 ops (`rms_norm`, `add_rms_norm`,
+`silu_mul`) keep transformers' roundings but may sum a row's squares in another order and
+take exp from another library, so they serve bfloat16 models only: float32 stays on torch's
+ops, token-identical to HF. backend.py gives them to the model with the C++ attention.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from folio.kernels import cpu_attention, reference
+
+
+def available() -> bool:
+    """The library is built and loaded (a CPU with a C++ compiler)."""
+    return cpu_attention.load() is None  # once built, a lock and a dict lookup
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) of a 2-D tensor, the same indices."""
+    if (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 and x.numel()
+            and available()):
+        return torch.ops.folio_cpu.argmax_rows(x if x.stride(1) == 1 else x.contiguous())
+    return x.argmax(dim=-1)
+
+
+def _fused(*ts: torch.Tensor) -> bool:
+    return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in ts) and available()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dim() == 2 and x.stride(1) == 1 and _fused(x, weight):
+        out = torch.empty_like(x)
+        torch.ops.folio_cpu.rms_norm(x, weight, eps, out)
+        return out
+    return reference.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + r, rms_norm(h + r)), the sum written into h."""
+    if h.dim() == 2 and h.shape == r.shape and h.stride(1) == 1 and r.stride(1) == 1 and _fused(h, r, weight):
+        out = torch.empty_like(h)
+        torch.ops.folio_cpu.add_rms_norm(h, r, weight, eps, out)
+        return h, out
+    return reference.add_rms_norm(h, r, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if gate_up.dim() == 2 and gate_up.stride(1) == 1 and gate_up.shape[1] % 2 == 0 and _fused(gate_up):
+        out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+        torch.ops.folio_cpu.silu_mul(gate_up, out)
+        return out
+    return reference.silu_mul(gate_up)

@@ -1,0 +1,142 @@
+"""The fused CPU ops (kernels/cpu_ops.cpp) against the torch chains they replace (reference.py):
+argmax exactly (ties, NaN, infinities, bfloat16 rows); the bfloat16 norms within two bfloat16
+steps of transformers' roundings (its rsqrt may differ in the last float bit, which can move the
+normalized row's rounding by one step and w's product by two) and SiLU within one, nearly all
+values equal; on generated shapes and values."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from folio.kernels import backend, cpu_attention, cpu_ops, reference
+
+pytestmark = pytest.mark.skipif(cpu_attention.load() is not None, reason="no C++ compiler here")
+
+SPECIAL = [float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 1e38, -1e38, 1e-40]
+
+
+@st.composite
+def logit_rows(draw):
+    rows, n = draw(st.integers(0, 6)), draw(st.integers(1, 300))
+    seed = draw(st.integers(0, 2**31))
+    x = torch.randn(rows, n, generator=torch.Generator().manual_seed(seed)) * draw(st.sampled_from([1.0, 1e-3, 50.0]))
+    for _ in range(draw(st.integers(0, 6))):  # specials and ties at drawn places
+        if rows:
+            r, i = draw(st.integers(0, rows - 1)), draw(st.integers(0, n - 1))
+            kind = draw(st.sampled_from(["special", "tie", "row"]))
+            if kind == "special":
+                x[r, i] = draw(st.sampled_from(SPECIAL))
+            elif kind == "tie":
+                x[r, i] = x[r].max() if not x[r].isnan().any() else 0.0
+            else:
+                x[r] = draw(st.sampled_from(SPECIAL))
+    return x
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(logit_rows(), st.sampled_from([torch.float32, torch.bfloat16]), st.booleans())
+def test_argmax_rows_is_torch_argmax(x, dtype, strided):
+    x = x.to(dtype)
+    if strided and x.shape[1] > 1:
+        x = x[:, : x.shape[1] // 2 + 1]  # rows not contiguous with each other
+    assert torch.equal(cpu_ops.argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_argmax_rows_at_a_vocab_size_and_other_dtypes():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 49152, generator=g)
+    x[3, 40000] = x[3, 1] = 99.0  # a tie: the first
+    x[5, 30000] = float("nan")
+    x[7] = float("-inf")
+    for t in (x, x.bfloat16(), x.half(), x.t().contiguous().t()):
+        assert torch.equal(cpu_ops.argmax_rows(t), t.argmax(dim=-1))
+
+
+@st.composite
+def bf16_case(draw):
+    T, n = draw(st.integers(0, 40)), draw(st.sampled_from([1, 7, 64, 576, 1000]))
+    scale = draw(st.sampled_from([1e-3, 1.0, 30.0, 1e20]))  # 1e20: squares overflow float32
+    return T, n, draw(st.integers(0, 2**31)), scale
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bfloat16 steps (same-sign finite values)."""
+    ia = a.view(torch.int16).int()
+    ib = b.view(torch.int16).int()
+    return (ia - ib).abs()
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(bf16_case())
+def test_bf16_norms_keep_transformers_roundings(case):
+    T, n, seed, scale = case
+    g = torch.Generator().manual_seed(seed)
+    h = (torch.randn(T, n, generator=g) * scale).bfloat16()
+    r = (torch.randn(T, n, generator=g) * scale).bfloat16()
+    w = (torch.rand(n, generator=g) + 0.5).bfloat16()
+    eps = 1e-5
+    got, want = cpu_ops.rms_norm(h, w, eps), reference.rms_norm(h, w, eps)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    if got.numel():
+        u = _ulps(got, want)
+        # one step of the normalized row's rounding, scaled by w: at most two of the output's
+        assert u.max().item() <= 2, (got.flatten()[u.argmax()], want.flatten()[u.argmax()])
+    h2 = h.clone()
+    hs, normed = cpu_ops.add_rms_norm(h2, r, w, eps)
+    want_h, want_n = reference.add_rms_norm(h, r, w, eps)
+    assert torch.equal(hs, want_h)  # the residual add rounds exactly as torch's
+    if normed.numel():
+        assert _ulps(normed, want_n).max().item() <= 2
+        if normed.numel() >= 512:
+            assert (normed != want_n).float().mean().item() < 0.01  # the squares' order rarely shows
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(bf16_case())
+def test_bf16_silu_mul_keeps_transformers_roundings(case):
+    T, n, seed, scale = case
+    g = torch.Generator().manual_seed(seed)
+    gu = (torch.randn(T, 2 * n, generator=g) * scale * 4).bfloat16()
+    got, want = cpu_ops.silu_mul(gu), reference.silu_mul(gu)
+    assert got.shape == want.shape == (T, n)
+    if got.numel():
+        # silu(gate) rounded, then times up rounded: two steps at most, as for the norms; values
+        # below 1e-30 (gate under -88, where exp's argument is bounded) count as the zero they round near
+        tiny = (got.float().abs() < 1e-30) & (want.float().abs() < 1e-30)
+        u = torch.where(tiny, 0, _ulps(got, want))
+        assert u.max().item() <= 2, (got.flatten()[u.argmax()], want.flatten()[u.argmax()])
+        if got.numel() >= 512 and scale <= 1:  # (larger gates reach the tiny values' differences)
+            assert (got != want).float().mean().item() < 0.02
+
+
+def test_float32_and_odd_layouts_take_the_reference():
+    x = torch.randn(4, 64)
+    w = torch.rand(64) + 0.5
+    assert torch.equal(cpu_ops.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))  # float32: torch's own ops
+    gu = torch.randn(4, 128).bfloat16()
+    assert torch.equal(cpu_ops.silu_mul(gu.t().contiguous().t()), reference.silu_mul(gu))
+
+
+def test_bad_shapes_are_refused_by_the_op_not_read_out_of_bounds():
+    x = torch.randn(4, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="rms_norm w"):
+        torch.ops.folio_cpu.rms_norm(x, torch.ones(63).bfloat16(), 1e-6, torch.empty_like(x))
+    with pytest.raises(RuntimeError, match="silu_mul"):
+        torch.ops.folio_cpu.silu_mul(x, torch.empty(4, 31).bfloat16())
+    with pytest.raises(RuntimeError, match="argmax_rows"):
+        torch.ops.folio_cpu.argmax_rows(torch.empty(3, 0))
+
+
+def test_the_cpp_backend_fuses_and_the_torch_backend_does_not(monkeypatch):
+    monkeypatch.delenv("FOLIO_ATTENTION_BACKEND", raising=False)
+    ops = backend.get_ops("cpu")
+    assert ops.name == "cpp" and ops.rms_norm is cpu_ops.rms_norm and ops.silu_mul is cpu_ops.silu_mul
+    monkeypatch.setenv("FOLIO_ATTENTION_BACKEND", "torch")
+    t = backend.get_ops("cpu")
+    assert t.rms_norm is reference.rms_norm and t.add_rms_norm is reference.add_rms_norm
+    assert dataclasses.replace(ops, rms_norm=reference.rms_norm).rms_norm is reference.rms_norm
