@@ -97,6 +97,19 @@ __attribute__((always_inline)) inline void dots(const float* q, const float* k, 
 
 // Brings the next sequence's K/V into the cache while this one is computed: a few lines at a
 // time, from the loops (a burst of prefetches would stall on the core's miss buffers).
+// Softmax's numerators in place: exp(score - max), float32; returns 1 / their sum.
+inline float exp_scores(float* sh, int64_t L) {
+  float m = sh[0];
+  for (int64_t p = 1; p < L; ++p) m = std::max(m, sh[p]);
+  float t = 0.f;
+#pragma omp simd reduction(+ : t)
+  for (int64_t p = 0; p < L; ++p) {
+    sh[p] = expf(sh[p] - m);
+    t += sh[p];
+  }
+  return 1.f / t;
+}
+
 #ifndef PUMP_LINES
 #define PUMP_LINES 16
 #endif
@@ -176,15 +189,7 @@ void decode_seq_bf16(const c10::BFloat16* qrow, int64_t qh, c10::BFloat16* orow,
     }
     for (int g = 0; g < G; ++g) {
       float* sh = s + g * L;
-      float m = sh[0];
-      for (int64_t p = 1; p < L; ++p) m = std::max(m, sh[p]);
-      float t = 0.f;
-#pragma omp simd reduction(+ : t)
-      for (int64_t p = 0; p < L; ++p) {
-        sh[p] = expf(sh[p] - m);
-        t += sh[p];
-      }
-      const float inv = 1.f / t;
+      const float inv = exp_scores(sh, L);
       uint16_t* w = w16.data() + g * (L + 1);
       const __m512 iv = _mm512_set1_ps(inv);
       int64_t p = 0;
@@ -330,18 +335,7 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
           dots(qv.data() + j * G * D, as_floats(krow + j * kh, row.data(), D), G, D,
                scores.data() + j * G * L + p, L);
       });
-      for (int64_t h = 0; h < H; ++h) {
-        float* sh = scores.data() + h * L;
-        float m = sh[0];
-        for (int64_t p = 1; p < L; ++p) m = std::max(m, sh[p]);
-        float t = 0.f;
-#pragma omp simd reduction(+ : t)
-        for (int64_t p = 0; p < L; ++p) {
-          sh[p] = expf(sh[p] - m);
-          t += sh[p];
-        }
-        inv[h] = 1.f / t;
-      }
+      for (int64_t h = 0; h < H; ++h) inv[h] = exp_scores(scores.data() + h * L, L);
       std::fill(acc.begin(), acc.end(), 0.f);
       for_each_token(vp, tab, L, bs, vb, vt, (KVH - 1) * vh + D, [&](int64_t p, const T* vrow) {
         pump.step(PUMP_LINES);
