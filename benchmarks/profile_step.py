@@ -9,8 +9,8 @@ It first times `--steps` steps without the profiler (the figure to compare betwe
 in an interleaved A/B: this machine drifts), then profiles as many and prints the table.
 
 --ab-small-ops: no profile; decode steps alternate, in this one process, between the backend's
-ops as they are and the same backend with the forward's small ops (norms, SiLU) and the
-sampler's argmax on torch's reference chains (A B B A per round of --steps steps each): what
+ops as they are and the same backend with the forward's small ops (norms, SiLU, rotary + KV
+write) and the sampler's argmax on torch's reference chains (A B B A per round of --steps steps each): what
 the fused C++ ops gain, free of the drift between processes.
 """
 
@@ -100,7 +100,7 @@ def ab_small_ops(eng, args) -> None:
     model = eng.runner.model
     fused = model.ops
     ref = dataclasses.replace(fused, rms_norm=reference.rms_norm, add_rms_norm=reference.add_rms_norm,
-                              silu_mul=reference.silu_mul)
+                              silu_mul=reference.silu_mul, rope_write_kv=None)
     fused_argmax = sampler.cpu_ops.argmax_rows
     prefill_all(eng)
     for _ in range(3):

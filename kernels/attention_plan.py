@@ -10,7 +10,7 @@ The Triton path (backend.py) only reads max_query_len.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +41,17 @@ class PrefillSeq:
 
 
 @dataclass
+class PrefillBatch:
+    """Fresh prompts of one length (nothing cached: plain causal), attended in one call: a batch
+    of 16 prompts of 128 tokens ran 16 SDPA calls and 32 gathers per layer before."""
+
+    rows: torch.Tensor  # [n * q_len] int64: rows of q, sequence by sequence
+    blocks: torch.Tensor  # [n * num_blocks] int64: each sequence's blocks
+    n: int
+    q_len: int  # = its context length
+
+
+@dataclass
 class DecodeRows:
     """The decode sequences as the C++ kernel reads them (cpu_attention.py): in place, no chunks."""
 
@@ -58,6 +69,11 @@ class AttentionPlan:
     prefill: list[PrefillSeq]
     max_query_len: int | None = None  # longest new-token count of the batch
     decode_rows: DecodeRows | None = None  # instead of `decode` (plan_attention(..., in_place=True))
+    prefill_batches: list[PrefillBatch] = field(default_factory=list)  # the rest of the prefills
+
+    @property
+    def prefills(self) -> bool:
+        return bool(self.prefill or self.prefill_batches)
 
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
@@ -85,18 +101,28 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_sta
             num_blocks=nb,
             mask=(torch.arange(nb * block_size)[None, :] < ctx[:, None])[:, None, None, :],
         ))
-    prefill = []
+    prefill, fresh = [], {}
     for s in range(len(lens)):
         q_len = qsl[s + 1] - qsl[s]
         if q_len > 1:
             ctx = lens[s]
-            mask = None
-            if q_len < ctx:
-                q_pos = torch.arange(ctx - q_len, ctx)
-                mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
+            if q_len == ctx:
+                fresh.setdefault(ctx, []).append(s)
+                continue
+            q_pos = torch.arange(ctx - q_len, ctx)
+            mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
             prefill.append(PrefillSeq(qsl[s], qsl[s + 1], tables[s, : (ctx + block_size - 1) // block_size], ctx,
                                       mask))
-    return AttentionPlan(chunks, prefill, max(b - a for a, b in zip(qsl, qsl[1:])) if lens else 0, rows)
+    batches = []
+    for ctx, seqs in fresh.items():
+        nb = (ctx + block_size - 1) // block_size
+        if len(seqs) == 1:
+            s = seqs[0]
+            prefill.append(PrefillSeq(qsl[s], qsl[s + 1], tables[s, :nb], ctx, None))
+        else:
+            batches.append(PrefillBatch(torch.cat([torch.arange(qsl[s], qsl[s + 1]) for s in seqs]),
+                                        tables[seqs, :nb].reshape(-1), len(seqs), ctx))
+    return AttentionPlan(chunks, prefill, max(b - a for a, b in zip(qsl, qsl[1:])) if lens else 0, rows, batches)
 
 
 def _decode_chunks(ctx_lens: list[int], block_size: int, bytes_per_token: int) -> list[tuple[list[int], int]]:

@@ -36,6 +36,9 @@ class KernelOps:
     rms_norm: Callable = reference.rms_norm
     add_rms_norm: Callable = reference.add_rms_norm
     silu_mul: Callable = reference.silu_mul
+    # q rotated with k and v written to the cache in one op, or None where it does not apply
+    # (the model then rotates and calls write_kv): cpu_ops.rope_write_kv on the C++ backend
+    rope_write_kv: Callable | None = None
 
 
 TORCH_OPS = KernelOps("torch", reference.write_kv, reference.paged_attention, reference.copy_blocks,
@@ -62,7 +65,7 @@ def _cpp_ops() -> KernelOps:
 
     return KernelOps("cpp", reference.write_kv, cpu_attention.paged_attention, reference.copy_blocks,
                      reference.swap_blocks, cpu_attention.plan, cpu_ops.rms_norm, cpu_ops.add_rms_norm,
-                     cpu_ops.silu_mul)
+                     cpu_ops.silu_mul, cpu_ops.rope_write_kv)
 
 
 _warned: set[str] = set()

@@ -128,9 +128,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
             torch.ops.folio_cpu.decode_attention(q, k_cache, v_cache, d.block_tables, d.seq_lens, d.rows, out, scale)
         except RuntimeError as e:  # its checks: the same class of error as the reference's
             raise KernelInputError(str(e).split("\n")[0]) from None
-    if plan.prefill:
+    if plan.prefills:
         reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                  plan=AttentionPlan([], plan.prefill, plan.max_query_len), out=out)
+                                  plan=AttentionPlan([], plan.prefill, plan.max_query_len,
+                                                     prefill_batches=plan.prefill_batches), out=out)
     return out
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from folio.kernels import cpu_attention, reference
+from folio.kernels.errors import KernelInputError
 
 
 def available() -> bool:
@@ -56,3 +57,23 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         torch.ops.folio_cpu.silu_mul(gate_up, out)
         return out
     return reference.silu_mul(gate_up)
+
+
+def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor | None:
+    """q rotated [T, heads, D], with k rotated and v written to their cache slots: for bfloat16
+    (bit-identical to the model's torch chain, RotaryEmbedding.rotate + write_kv) where the
+    rotation spans the whole head dim (cos: [T, 1, D]). None where it does not apply: the
+    caller runs the chain."""
+    T, D = qkv.shape[0], k_cache.shape[-1] if k_cache.dim() == 4 else 0
+    if not (qkv.dim() == 2 and qkv.stride(1) == 1 and cos.dim() == 3 and cos.shape[-1] == D
+            and _fused(qkv, cos, sin, k_cache, v_cache) and k_cache.stride(2) == D and k_cache.stride(3) == 1
+            and v_cache.stride() == k_cache.stride()):
+        return None
+    q = qkv.new_empty(T, num_heads, D)
+    try:
+        torch.ops.folio_cpu.rope_write_kv(qkv, cos[:, 0], sin[:, 0], num_heads, num_kv_heads, k_cache, v_cache,
+                                          slot_mapping.to(torch.long), q)
+    except RuntimeError as e:  # its checks (a slot past the cache): write_kv's class of error
+        raise KernelInputError(str(e).split("\n")[0]) from None
+    return q

@@ -126,6 +126,14 @@ def paged_attention(
         o = F.scaled_dot_product_attention(qs, k.transpose(1, 2), v.transpose(1, 2), attn_mask=p.mask,
                                            is_causal=p.mask is None, scale=scale, enable_gqa=True)
         out[p.start : p.end] = o[0].transpose(0, 1)
+    for b in plan.prefill_batches:  # fresh prompts of one length: one causal SDPA over the batch
+        nb = b.blocks.shape[0] // b.n
+        k = _gather(k_cache, b.blocks, 0).view(b.n, nb * block_size, num_kv_heads, head_dim)[:, : b.q_len]
+        v = _gather(v_cache, b.blocks, 1).view(b.n, nb * block_size, num_kv_heads, head_dim)[:, : b.q_len]
+        qs = q.index_select(0, b.rows).view(b.n, b.q_len, num_heads, head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qs, k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
+                                           enable_gqa=True)
+        out.index_copy_(0, b.rows, o.transpose(1, 2).reshape(b.n * b.q_len, num_heads, head_dim))
     return out
 
 

@@ -140,3 +140,61 @@ def test_the_cpp_backend_fuses_and_the_torch_backend_does_not(monkeypatch):
     t = backend.get_ops("cpu")
     assert t.rms_norm is reference.rms_norm and t.add_rms_norm is reference.add_rms_norm
     assert dataclasses.replace(ops, rms_norm=reference.rms_norm).rms_norm is reference.rms_norm
+
+
+@st.composite
+def rope_case(draw):
+    T = draw(st.integers(1, 24))
+    kv_heads = draw(st.integers(1, 3))
+    heads = kv_heads * draw(st.sampled_from([1, 2, 3]))
+    D = draw(st.sampled_from([8, 64, 128]))
+    block_size = draw(st.sampled_from([1, 4, 16]))
+    num_blocks = draw(st.integers(T // block_size + 1, T // block_size + 4))
+    slots = draw(st.permutations(range(num_blocks * block_size)))[:T]
+    pads = draw(st.lists(st.integers(0, T - 1), max_size=3))
+    slots = [-1 if i in pads else s for i, s in enumerate(slots)]
+    return T, heads, kv_heads, D, block_size, num_blocks, slots, draw(st.integers(0, 2**31))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(rope_case(), st.booleans())
+def test_rope_write_kv_is_the_models_chain_to_the_bit(case, block_major):
+    """q, and every cache row, as RotaryEmbedding.rotate + write_kv leave them (padding slots
+    unwritten), on the engine's block-major layout or plain caches."""
+    from folio.worker.models.rope import RotaryEmbedding
+
+    T, H, KVH, D, bs, nb, slots, seed = case
+    g = torch.Generator().manual_seed(seed)
+    rope = RotaryEmbedding(D, {"rope_theta": 10000.0}, 4096, 512, torch.bfloat16, torch.device("cpu"))
+    positions = torch.randint(0, 512, (T,), generator=g)
+    cos, sin = rope.cos_sin(positions)
+    qkv = (torch.randn(T, (H + 2 * KVH) * D, generator=g) * 3).bfloat16()
+    slot_mapping = torch.tensor(slots, dtype=torch.long)
+
+    def caches():
+        if block_major:  # [blocks, layers=2, k|v, block_size, kv_heads, D]: layer 1's views
+            big = torch.randn(nb, 2, 2, bs, KVH, D, generator=torch.Generator().manual_seed(seed)).bfloat16()
+            return big[:, 1, 0], big[:, 1, 1]
+        big = torch.randn(2, nb, bs, KVH, D, generator=torch.Generator().manual_seed(seed)).bfloat16()
+        return big[0], big[1]
+
+    k1, v1 = caches()
+    q = cpu_ops.rope_write_kv(qkv, cos, sin, H, KVH, k1, v1, slot_mapping)
+    k2, v2 = caches()
+    qk = rope.rotate(qkv[:, : (H + KVH) * D].view(T, H + KVH, D), cos, sin)
+    want_q, k = qk.split([H, KVH], dim=1)
+    reference.write_kv(k, qkv[:, (H + KVH) * D:].view(T, KVH, D), k2, v2, slot_mapping)
+    assert q is not None and torch.equal(q, want_q)
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_rope_write_kv_refuses_a_slot_past_the_cache_and_leaves_float32_to_the_chain():
+    from folio.kernels.errors import KernelInputError
+
+    qkv = torch.randn(2, 3 * 8).bfloat16()
+    cos = torch.ones(2, 1, 8).bfloat16()
+    k, v = torch.zeros(2, 4, 1, 8).bfloat16(), torch.zeros(2, 4, 1, 8).bfloat16()
+    with pytest.raises(KernelInputError, match="slot 8 outside"):
+        cpu_ops.rope_write_kv(qkv, cos, cos, 1, 1, k, v, torch.tensor([0, 8]))
+    assert cpu_ops.rope_write_kv(qkv.float(), cos.float(), cos.float(), 1, 1, k.float(), v.float(),
+                                 torch.tensor([0, 1])) is None

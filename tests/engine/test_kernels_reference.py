@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from folio.kernels import copy_blocks, paged_attention, swap_blocks, write_kv
+from folio.kernels import copy_blocks, paged_attention, plan_attention, swap_blocks, write_kv
 
 
 def dense_reference(q, ks, vs, q_lens, ctx_lens, scale):
@@ -64,6 +64,30 @@ def test_paged_attention_mixed_batch(gqa, block_size, head_dim, dtype):
     tol = 2e-5 if dtype == torch.float32 else 2e-3
     assert out.dtype == dtype and out.shape == q.shape
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 16])
+@pytest.mark.parametrize("strided", [False, True])
+def test_fresh_prompts_of_one_length_are_attended_as_a_batch(block_size, strided):
+    """Prompts with nothing cached and the same length go through one SDPA call (PrefillBatch),
+    between decodes, a chunked prefill and a prompt of another length: each row equals dense
+    attention, and equals the same prompt attended alone to the bit."""
+    gen = torch.Generator().manual_seed(block_size)
+    q_lens = [11, 1, 11, 7, 11, 3]
+    ctx_lens = [11, 20, 11, 7, 11, 9]
+    q, kc, vc, tables, lens, qsl, ks, vs = make_case(gen, q_lens, ctx_lens, 6, 2, 32, block_size, torch.float32)
+    if strided:
+        kc, vc, _ = block_major(kc, vc)
+    plan = plan_attention(tables, lens, qsl, block_size, 0)
+    assert [(b.n, b.q_len) for b in plan.prefill_batches] == [(3, 11)]
+    assert sorted(p.end - p.start for p in plan.prefill) == [3, 7]
+    out = paged_attention(q, kc, vc, tables, lens, qsl, 0.2, plan=plan)
+    torch.testing.assert_close(out.double(), dense_reference(q, ks, vs, q_lens, ctx_lens, 0.2), atol=2e-5, rtol=2e-5)
+    for s in (0, 2, 4):  # each batched prompt alone: the same bits
+        a, b = int(qsl[s]), int(qsl[s + 1])
+        one = paged_attention(q[a:b], kc, vc, tables[s : s + 1], lens[s : s + 1],
+                              torch.tensor([0, b - a], dtype=qsl.dtype), 0.2)
+        assert torch.equal(one, out[a:b])
 
 
 def test_write_kv_skips_negative_slots():

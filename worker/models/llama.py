@@ -71,15 +71,19 @@ class LlamaModel:
         cos, sin = self.rope.cos_sin(positions)
         qk_size = self.q_size + self.kv_size
         ops = self.ops
+        # rotation and the KV write in one op where the backend has it and it applies (every layer alike)
+        fused = ops.rope_write_kv if self.rope.rot_dim == c.head_dim else None
         # each residual add is fused with the norm after it (the next layer's input norm, or the last)
         x = ops.rms_norm(h, self.layers[0].input_norm, eps) if self.layers else h
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             qkv = layer.qkv(x)
-            # q and k rotate together: [T, heads + kv_heads, head_dim] views of the fused output
-            qk = self.rope.rotate(qkv[:, :qk_size].view(T, nh + nkv, c.head_dim), cos, sin)
-            q, k = qk.split([nh, nkv], dim=1)
-            v = qkv[:, qk_size:].view(T, nkv, c.head_dim)
-            ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            q = fused(qkv, cos, sin, nh, nkv, k_cache, v_cache, meta.slot_mapping) if fused else None
+            if q is None:
+                # q and k rotate together: [T, heads + kv_heads, head_dim] views of the fused output
+                qk = self.rope.rotate(qkv[:, :qk_size].view(T, nh + nkv, c.head_dim), cos, sin)
+                q, k = qk.split([nh, nkv], dim=1)
+                v = qkv[:, qk_size:].view(T, nkv, c.head_dim)
+                ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                        meta.query_start_loc, self.scale, plan=meta.plan)
             h, x = ops.add_rms_norm(h, g.all_reduce(layer.o(attn.reshape(T, self.q_size))), layer.post_norm, eps)
