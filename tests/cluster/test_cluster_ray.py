@@ -123,6 +123,10 @@ def test_policies_route_as_specified(cluster, tokenizer):
             async def w0_loaded():
                 return (await ll._live_now(refresh=True))["w0"].num_free_blocks < 8
             await until(w0_loaded, "w0's heartbeat to show the burst", TIMEOUT_S)
+            # and the picks below decide on that snapshot: refreshed in between, a heartbeat taken
+            # as w0 swapped one of the burst out showed it with room (a clean-clone CI run, 2026-12-04,
+            # picked ['w1', 'w1', 'w0', 'w1']); the policy, not the burst's timing, is under test
+            ll.refresh_s = float("inf")
             assert [await ll.pick(probe) for _ in range(4)] == ["w1"] * 4
             short = [GenerateRequest(request_id=f"s{i}", prompt_token_ids=list(range(11 + i, 20 + i)),
                                      params=SamplingParams(max_tokens=4))
