@@ -3,7 +3,8 @@
     FOLIO_ATTENTION_BACKEND=torch|cpp|triton   overrides the choice
     default                                     triton on CUDA; on CPU cpp (decode attention in
                                                 C++, cpu_attention.py, and for bfloat16 the fused
-                                                norms and SiLU of cpu_ops.py) when it builds, else torch
+                                                norms, SiLU and rotary + KV write of cpu_ops.py)
+                                                when it builds, else torch
 
 Tests run the Triton kernels on CPU with TRITON_INTERPRET=1 (set before triton is
 imported) and FOLIO_ATTENTION_BACKEND=triton.
