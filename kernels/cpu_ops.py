@@ -1,12 +1,13 @@
 """Small fused ops for the CPU forward (cpu_ops.cpp, built into the attention's library by
 cpu_attention.py), each falling back to the reference's torch chain (reference.py), which is
-also its oracle in the tests.
+also its oracle in the tests. backend.py gives them to the model with the C++ attention.
 
 `argmax_rows` is exact for every float32 or bfloat16 input (torch.argmax's first maximum, its
-NaN rule), so greedy sampling uses it at every dtype, on bfloat16 logits without a float copy. The bfloat16 ops (`rms_norm`, `add_rms_norm`,
-`silu_mul`) keep transformers' roundings but may sum a row's squares in another order and
-take exp from another library, so they serve bfloat16 models only: float32 stays on torch's
-ops, token-identical to HF. backend.py gives them to the model with the C++ attention.
+NaN rule), so greedy sampling uses it at every dtype, on bfloat16 logits without a float copy.
+`rope_write_kv` is bit-identical to the torch chain it replaces. The other bfloat16 ops
+(`rms_norm`, `add_rms_norm`, `silu_mul`) keep transformers' roundings but may sum a row's
+squares in another order and take exp from another library, so they serve bfloat16 models
+only: float32 stays on torch's ops, token-identical to HF.
 """
 
 from __future__ import annotations
