@@ -64,33 +64,41 @@ def copy_bandwidth(nbytes: int = 4 << 30) -> float:
 
 
 def check_correctness(ops_triton, ref) -> list[dict]:
+    """Each dtype x (block size, head dim, GQA): a mixed batch (decode, chunked prefill, prefill)
+    as the launcher picks its grid, the same batch split into 5 context ranges (forced), and a
+    decode-only batch, which the launcher splits by itself (the flash-decoding path)."""
     out = []
     gen = torch.Generator().manual_seed(0)
+    variants = {"mixed": ([1, 1, 37, 128, 1, 300], [1000, 17, 100, 128, 4097, 300], None),
+                "mixed, 5 splits": ([1, 1, 37, 128, 1, 300], [1000, 17, 100, 128, 4097, 300], 5),
+                "decode, auto split": ([1, 1, 1, 1], [1000, 17, 4097, 300], None)}
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         for block_size, head_dim, gqa in ((8, 64, 1), (16, 80, 2), (32, 96, 4), (64, 128, 8), (16, 128, 4)):
-            kv_heads = 2
-            q_lens, ctx_lens = [1, 1, 37, 128, 1, 300], [1000, 17, 100, 128, 4097, 300]
-            nb = [-(-c // block_size) for c in ctx_lens]
-            num_blocks = sum(nb) + 10
-            kc = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to("cuda", dtype)
-            vc = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to("cuda", dtype)
-            perm = torch.randperm(num_blocks, generator=gen).tolist()
-            tables = torch.zeros(len(ctx_lens), max(nb), dtype=torch.int32)
-            for s, n in enumerate(nb):
-                tables[s, :n] = torch.tensor([perm.pop() for _ in range(n)], dtype=torch.int32)
-            q = torch.randn(sum(q_lens), kv_heads * gqa, head_dim, generator=gen).to("cuda", dtype)
-            qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-            lens = torch.tensor(ctx_lens, dtype=torch.int32, device="cuda")
-            tables = tables.cuda()
-            scale = head_dim ** -0.5
-            got = ops_triton.paged_attention(q, kc, vc, tables, lens, qsl, scale,
-                                             out=torch.full_like(q, float("nan")))
-            want = ref.paged_attention(q.cpu(), kc.cpu(), vc.cpu(), tables.cpu(), lens.cpu(), qsl.cpu(), scale)
-            err = (got.float().cpu() - want.float()).abs().max().item()
-            tol = 2e-4 if dtype == torch.float32 else (2e-3 if dtype == torch.float16 else 2e-2)
-            out.append({"dtype": str(dtype).split(".")[-1], "block_size": block_size, "head_dim": head_dim,
-                        "gqa": gqa, "max_abs_err": err, "nan": bool(got.isnan().any()), "ok": err < tol})
-            print(out[-1], flush=True)
+            for variant, (q_lens, ctx_lens, splits) in variants.items():
+                kv_heads = 2
+                nb = [-(-c // block_size) for c in ctx_lens]
+                num_blocks = sum(nb) + 10
+                kc = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to("cuda", dtype)
+                vc = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to("cuda", dtype)
+                perm = torch.randperm(num_blocks, generator=gen).tolist()
+                tables = torch.zeros(len(ctx_lens), max(nb), dtype=torch.int32)
+                for s, n in enumerate(nb):
+                    tables[s, :n] = torch.tensor([perm.pop() for _ in range(n)], dtype=torch.int32)
+                q = torch.randn(sum(q_lens), kv_heads * gqa, head_dim, generator=gen).to("cuda", dtype)
+                qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+                lens = torch.tensor(ctx_lens, dtype=torch.int32, device="cuda")
+                tables = tables.cuda()
+                scale = head_dim ** -0.5
+                kw = {} if splits is None else {"num_splits": splits}
+                got = ops_triton.paged_attention(q, kc, vc, tables, lens, qsl, scale,
+                                                 out=torch.full_like(q, float("nan")), **kw)
+                want = ref.paged_attention(q.cpu(), kc.cpu(), vc.cpu(), tables.cpu(), lens.cpu(), qsl.cpu(), scale)
+                err = (got.float().cpu() - want.float()).abs().max().item()
+                tol = 2e-4 if dtype == torch.float32 else (2e-3 if dtype == torch.float16 else 2e-2)
+                out.append({"dtype": str(dtype).split(".")[-1], "block_size": block_size, "head_dim": head_dim,
+                            "gqa": gqa, "variant": variant, "max_abs_err": err, "nan": bool(got.isnan().any()),
+                            "ok": err < tol})
+                print(out[-1], flush=True)
     return out
 
 
@@ -110,10 +118,16 @@ def decode_bench(ops_triton, batch: int, ctx: int, block_size: int = 16, heads: 
     qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
     lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
     from folio.kernels.attention_plan import AttentionPlan
+    from folio.kernels.paged_attention import num_splits_for, sm_count
 
-    plan = AttentionPlan([], [], max_query_len=1)
+    plan = AttentionPlan([], [], max_query_len=1, max_seq_len=ctx)  # as the engine's plan has them
+    splits = num_splits_for(sm_count(q.device), batch * kv_heads, ctx, 1)
     scale = head_dim ** -0.5
     t_paged = cuda_time(lambda: ops_triton.paged_attention(q, kc, vc, tables, lens, qsl, scale, plan=plan))
+    # the kernel as it was before the context split (2026-12-04): one program per (seq, kv head),
+    # 16-token steps at block size 16
+    t_nosplit = cuda_time(lambda: ops_triton.paged_attention(q, kc, vc, tables, lens, qsl, scale, plan=plan,
+                                                             num_splits=1, block_n=max(16, min(64, block_size))))
     # contiguous reference: the same KV laid out [batch, kv_heads, ctx, head_dim]
     kcont = kc[tables.long()].view(batch, nb * block_size, kv_heads, head_dim)[:, :ctx].transpose(1, 2).contiguous()
     vcont = vc[tables.long()].view(batch, nb * block_size, kv_heads, head_dim)[:, :ctx].transpose(1, 2).contiguous()
@@ -124,9 +138,41 @@ def decode_bench(ops_triton, batch: int, ctx: int, block_size: int = 16, heads: 
     err = (got.float() - want.float()).abs().max().item()
     kv_bytes = 2 * batch * ctx * kv_heads * head_dim * kc.element_size()
     del kc, vc, kcont, vcont
-    return {"batch": batch, "context": ctx, "block_major_layers": block_major_layers, "paged_ms": t_paged * 1e3, "sdpa_contiguous_ms": t_sdpa * 1e3,
+    return {"batch": batch, "context": ctx, "block_major_layers": block_major_layers, "num_splits": splits,
+            "paged_ms": t_paged * 1e3, "paged_before_split_ms": t_nosplit * 1e3, "sdpa_contiguous_ms": t_sdpa * 1e3,
             "paged_over_sdpa": t_paged / t_sdpa, "kv_bytes": kv_bytes, "paged_bytes_per_s": kv_bytes / t_paged,
             "max_abs_err_vs_sdpa": err}
+
+
+def split_sweep(ops_triton, out_path: str) -> int:
+    """Decode attention (Llama-3-8B shapes, fp16, block 16) at batch x context with the context
+    split forced to 1, 2, 4, ... 32 ranges, beside what num_splits_for picks."""
+    from folio.kernels.attention_plan import AttentionPlan
+    from folio.kernels.paged_attention import num_splits_for, sm_count
+
+    rows = []
+    for ctx in (256, 512, 1024, 2048, 8192):
+        for batch in (1, 8, 32, 64):
+            nb = -(-ctx // 16)
+            kc = torch.randn(batch * nb, 16, 8, 128, device="cuda", dtype=torch.float16)
+            vc = torch.randn_like(kc)
+            tables = torch.randperm(batch * nb, device="cuda", dtype=torch.int32).view(batch, nb)
+            q = torch.randn(batch, 32, 128, device="cuda", dtype=torch.float16)
+            qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+            lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
+            plan = AttentionPlan([], [], max_query_len=1, max_seq_len=ctx)
+            ms = {n: 1e3 * cuda_time(lambda n=n: ops_triton.paged_attention(q, kc, vc, tables, lens, qsl, 0.088,
+                                                                            plan=plan, num_splits=n))
+                  for n in (1, 2, 4, 8, 16, 32) if n == 1 or ctx // n >= 64}
+            best = min(ms, key=ms.get)
+            rows.append({"batch": batch, "context": ctx, "ms_by_splits": ms, "best": best,
+                         "policy": num_splits_for(sm_count(q.device), batch * 8, ctx, 1)})
+            print(rows[-1], flush=True)
+            del kc, vc
+    with open(out_path, "w") as f:
+        json.dump({"benchmark": "kernels_gpu --split-sweep", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                   "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
+    return 0
 
 
 def swap_bench(device: str = "cuda", num_blocks: int = 1024, swapped: int = 256, layers: int = 32,
@@ -192,6 +238,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=os.path.join(RESULTS, "kernels_gpu.json"))
     ap.add_argument("--max-kv-gib", type=float, default=48.0, help="skip shapes whose KV exceeds this")
+    ap.add_argument("--split-sweep", action="store_true",
+                    help="only: decode attention at each forced number of context splits (the split policy's data)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("kernels_gpu.py needs a CUDA device; none is visible here", file=sys.stderr)
@@ -202,6 +250,8 @@ def main() -> int:
 
     ops = get_ops("cuda")
     t0 = time.time()
+    if args.split_sweep:
+        return split_sweep(ops, args.out)
     correctness = check_correctness(ops, reference)
     bw = copy_bandwidth()
     print(f"device-to-device copy: {bw / 1e9:.0f} GB/s (read + write)", flush=True)
@@ -234,6 +284,7 @@ def main() -> int:
         "copy_bandwidth_GBps": bw / 1e9,
         "min_fraction_of_copy_bw_batch32_ctx2k": min((r["fraction_of_copy_bw"] for r in big), default=None),
         "max_paged_over_sdpa": max((r["paged_over_sdpa"] for r in rows), default=None),
+        "max_speedup_of_split": max((r["paged_before_split_ms"] / r["paged_ms"] for r in rows), default=None),
         "max_block_major_over_per_layer": max((r["over_per_layer_cache"] for r in strided), default=None),
         "min_swap_vs_plain_block_major": min(min(r["out_vs_plain"], r["in_vs_plain"]) for r in swaps
                                              if r["layout"] == "block_major"),

@@ -70,6 +70,7 @@ class AttentionPlan:
     max_query_len: int | None = None  # longest new-token count of the batch
     decode_rows: DecodeRows | None = None  # instead of `decode` (plan_attention(..., in_place=True))
     prefill_batches: list[PrefillBatch] = field(default_factory=list)  # the rest of the prefills
+    max_seq_len: int | None = None  # longest context of the batch (the Triton kernel's split)
 
     @property
     def prefills(self) -> bool:

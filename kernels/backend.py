@@ -47,9 +47,13 @@ TORCH_OPS = KernelOps("torch", reference.write_kv, reference.paged_attention, re
 
 
 def _plan_for_triton(block_tables, seq_lens, query_start_loc, block_size, kv_bytes_per_token):
-    """The Triton kernel needs only the grid size: the longest query of the batch."""
-    max_q = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if seq_lens.numel() else 0
-    return attention_plan.AttentionPlan(decode=[], prefill=[], max_query_len=max_q)
+    """The Triton kernel needs only its grid: the longest query and the longest context of the
+    batch (one read from the device for both)."""
+    if not seq_lens.numel():
+        return attention_plan.AttentionPlan(decode=[], prefill=[], max_query_len=0, max_seq_len=0)
+    max_q, max_len = torch.stack([(query_start_loc[1:] - query_start_loc[:-1]).max(),
+                                  seq_lens.max().to(query_start_loc.dtype)]).tolist()
+    return attention_plan.AttentionPlan(decode=[], prefill=[], max_query_len=max_q, max_seq_len=max_len)
 
 
 def _triton_ops() -> KernelOps:

@@ -122,3 +122,40 @@ def test_launchers_raise_a_typed_error_on_layouts_they_cannot_take():
     with pytest.raises(KernelInputError, match="contiguous"):
         reference.write_kv(torch.randn(3, 2, 16), torch.randn(3, 2, 16), torn, torn.clone(), torch.tensor([0, 1, 2]))
     assert issubclass(KernelInputError, ValueError)
+
+
+@pytest.mark.parametrize("splits,block_n,gqa,block_size,dtype", [
+    (2, 16, 2, 8, torch.float32), (3, 16, 4, 16, torch.float16), (5, 32, 1, 8, torch.float32),
+    (4, 64, 2, 32, torch.float16)])
+def test_split_context_matches_reference(splits, block_n, gqa, block_size, dtype):
+    """Flash-decoding's split: each program takes one context range and a second kernel merges
+    them. Rows that see nothing of a range (causal chunked prefill, a short sequence among long
+    ones, a range past every end) must weigh 0 in the merge, never NaN."""
+    gen = torch.Generator().manual_seed(splits * 31 + block_n)
+    q_lens = [1, 4, 1, 1]
+    ctx_lens = [5 * block_size + 3, 3 * block_size + 2, 1, 2 * block_size]
+    chunk = -(-(-(-ctx_lens[0] // splits)) // block_n) * block_n  # the launcher's range length
+    q_lens.append(5)  # a chunk of prompt whose first rows end before the second range starts
+    ctx_lens.append(chunk + 2)
+    q, kc, vc, tables, lens, qsl, ks, vs = make_case(gen, q_lens, ctx_lens, 2 * gqa, 2, 32, block_size, dtype)
+    scale = 32 ** -0.5
+    out = triton_paged_attention(q, kc, vc, tables, lens, qsl, scale, out=torch.full_like(q, float("nan")),
+                                 num_splits=splits, block_n=block_n)
+    assert not out.isnan().any(), "a row was not merged"
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out, reference.paged_attention(q, kc, vc, tables, lens, qsl, scale), atol=tol, rtol=tol)
+    torch.testing.assert_close(out.double(), dense_reference(q, ks, vs, q_lens, ctx_lens, scale), atol=tol, rtol=tol)
+
+
+def test_split_policy():
+    from folio.kernels.paged_attention import MAX_SPLITS, MIN_SPLIT_TOKENS, SPLIT_MIN_CONTEXT, num_splits_for
+
+    assert num_splits_for(132, 8, 32768, 1) == MAX_SPLITS  # batch 1, 8 KV heads, long context
+    assert num_splits_for(132, 8, 8192, 1) == 8192 // MIN_SPLIT_TOKENS  # no range under the minimum
+    assert num_splits_for(132, 8, SPLIT_MIN_CONTEXT - 1, 1) == 1  # short contexts: one launch is cheaper
+    assert num_splits_for(132, 2048, 32768, 1) == 1  # batch 256 x 8 KV heads already fills the GPU
+    assert num_splits_for(132, 8, 32768, 2) == 1  # several row tiles: a prefill, no split
+    assert num_splits_for(0, 8, 32768, 1) == 1  # no SMs (CPU)
+    for programs in range(1, 3000, 7):
+        n = num_splits_for(132, programs, 8192, 1)
+        assert 1 <= n <= MAX_SPLITS and (n == 1 or programs * (n - 1) < 8 * 132)
