@@ -143,24 +143,33 @@ def smollm2_file() -> tuple[str | None, str]:
 
 
 # ---- the checks ------------------------------------------------------------------------------
-def hf_greedy(model, tok, prompts, max_tokens: int, device: str, margin: float):
-    """transformers' greedy tokens per prompt (until EOS or max_tokens), None where a step's top-2
-    logits are closer than `margin` (a near-tie any other summation order may break)."""
+def hf_greedy(model, prompts: list[list[int]], eos: list[int], max_tokens: int, device: str, margin: float):
+    """transformers' greedy tokens per prompt (token ids, until one of `eos` or max_tokens), and the
+    smallest gap between a step's top-2 logits per prompt; a prompt whose gap is under `margin` (a
+    near-tie any other summation order may break) gets None instead of its tokens."""
     import torch
 
-    out = []
-    for p in prompts:
-        ids = tok(p, return_tensors="pt").input_ids.to(device)
+    out, gaps = [], []
+    for ids in prompts:
+        x = torch.tensor([ids], device=device)
         with torch.no_grad():
-            gen = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=tok.eos_token_id,
-                                 output_scores=True, return_dict_in_generate=True)
-        gaps = [float(s[0].float().topk(2).values.diff().abs()) for s in gen.scores]
-        out.append(gen.sequences[0, ids.shape[1]:].tolist() if min(gaps) > margin else None)
-    return out
+            gen = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens, do_sample=False,
+                                 eos_token_id=eos, pad_token_id=eos[0], output_scores=True,
+                                 return_dict_in_generate=True)
+        g = [float(s[0].float().topk(2).values.diff().abs()) for s in gen.scores]
+        gaps.append(g)
+        out.append(gen.sequences[0, len(ids):].tolist() if min(g) > margin else None)
+    return out, gaps
 
 
 def parity(name: str, model: str, hf_dir: str, gguf_file: str | None, args) -> dict:
-    """Folio on the device (default backend: Triton on CUDA) against transformers, float32 greedy."""
+    """Folio on the device (default backend: Triton on CUDA) against transformers, float32 greedy.
+
+    Both sides get the same prompt token ids (Folio's tokenizer: transformers' own, built from the
+    same files) and stop on the same set of EOS ids (the engine's: config, generation config and
+    tokenizer together), so what is compared is the model's arithmetic alone. Whether HF's
+    `tok(p)` and its own `eos_token_id` agree with those is recorded beside it: on the H200's
+    transformers 5.17, SmolLM2's GGUF tokenizer named a different EOS than the file's."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -168,34 +177,46 @@ def parity(name: str, model: str, hf_dir: str, gguf_file: str | None, args) -> d
 
     kw = dict(gguf_file=gguf_file) if gguf_file else {}
     tok = AutoTokenizer.from_pretrained(hf_dir, **kw)
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, **kw).to(args.device).eval()
-    prompts = PROMPTS[: 3 if args.quick else None]
+    texts = PROMPTS[: 3 if args.quick else None]
     if tok.chat_template:
-        prompts = prompts + [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in CHAT]
-    ref = hf_greedy(hf, tok, prompts, args.max_tokens, args.device, args.margin)
-    del hf
+        texts = texts + [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in CHAT]
     configs = {"block 16": dict(block_size=16), "block 32": dict(block_size=32),
                "chunked prefill (8-token budget)": dict(block_size=16, max_num_batched_tokens=8),
                "swap preemption (KV for ~1.5 requests)": dict(block_size=16, preemption_mode="swap",
                                                              num_kv_blocks=6, num_cpu_blocks=256,
                                                              enable_prefix_caching=False)}
-    rows = []
+    rows, ref, info = [], None, {}
     for label, extra in list(configs.items())[: 2 if args.quick else None]:
         llm = LLM(model, device=args.device, max_model_len=96, **{"num_kv_blocks": 256, **extra})
+        if ref is None:  # the reference, once, on the first engine's tokenizer and EOS set
+            prompts = [llm.tokenizer.encode(t) for t in texts]
+            eos = sorted(llm.engine.eos_token_ids)
+            info = {"engine_eos": eos, "hf_tokenizer_eos": tok.eos_token_id,
+                    "hf_tok_same_ids": sum(tok(t).input_ids == p for t, p in zip(texts, prompts))}
+            hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, **kw).to(args.device).eval()
+            ref, gaps = hf_greedy(hf, prompts, eos, args.max_tokens, args.device, args.margin)
+            del hf
         outs = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
-        compared = [(p, o.outputs[0].token_ids, r) for p, o, r in zip(prompts, outs, ref) if r is not None]
-        diff = [{"prompt": p, "folio": f, "hf": r} for p, f, r in compared if f != r]
+        diff = []
+        for t, o, r, g in zip(texts, outs, ref, gaps):
+            f = list(o.outputs[0].token_ids)
+            if r is not None and f != r:
+                at = next((i for i, (a, b) in enumerate(zip(f, r)) if a != b), min(len(f), len(r)))
+                diff.append({"prompt": t, "folio": f, "hf": r, "first_diff": at,
+                             "hf_top2_gap_there": g[at] if at < len(g) else None})
         stats = llm.engine.stats()
         llm.engine.check_invariants()
+        compared = sum(r is not None for r in ref)
         rows.append({"model": name, "config": label, "prompts": len(prompts), "near_ties_excluded":
-                     sum(r is None for r in ref), "identical": len(compared) - len(diff), "differ": diff,
-                     "swapped_in_blocks": stats.swapped_in_blocks, "ok": not diff and bool(compared)})
-        print(f"parity {name} [{label}]: {rows[-1]['identical']}/{len(compared)} identical, "
+                     len(ref) - compared, "identical": compared - len(diff), "differ": diff,
+                     "swapped_in_blocks": stats.swapped_in_blocks, "ok": not diff and compared > 0})
+        print(f"parity {name} [{label}]: {rows[-1]['identical']}/{compared} identical, "
               f"{rows[-1]['near_ties_excluded']} near-ties excluded, swapped in {stats.swapped_in_blocks}",
               flush=True)
         del llm
         torch.cuda.empty_cache() if args.device == "cuda" else None
-    return {"rows": rows, "ok": all(r["ok"] for r in rows)}
+    print(f"parity {name}: {info}", flush=True)
+    return {"rows": rows, **info, "ok": all(r["ok"] for r in rows)}
 
 
 def decode_rate(name: str, model: str, dtype: str, args) -> list[dict]:
@@ -229,6 +250,47 @@ def decode_rate(name: str, model: str, dtype: str, args) -> list[dict]:
     del llm
     torch.cuda.empty_cache() if args.device == "cuda" else None
     return rows
+
+
+def step_profile(name: str, model: str, dtype: str, args) -> dict:
+    """Where one batch-1 decode step's wall time goes: the torch profiler over 5 steps, the ops with
+    the most host time, and how many device kernels a step launches (a step that launches
+    hundreds of small kernels is bound by the host, not the GPU)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from folio.worker import LLM
+    from profile_step import add_random_requests, prefill_all
+
+    llm = LLM(model, device=args.device, dtype=dtype, block_size=16, num_kv_blocks=64, max_model_len=512,
+              enable_prefix_caching=False)
+    eng, steps = llm.engine, 5
+    add_random_requests(eng, 1, 128, steps + 8, prefix="p", seed=1)
+    prefill_all(eng)
+    for _ in range(2):
+        eng.step()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            eng.step()
+    ev = prof.key_averages()
+    dev = [e for e in ev if getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type)]
+    launches = sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+    top = sorted(ev, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
+    out = {"model": name, "dtype": dtype, "steps": steps,
+           "kernel_launches_per_step": launches / steps,
+           "device_kernel_us_per_step": sum(e.self_device_time_total for e in dev) / steps if dev else None,
+           "host_top_ops": [{"op": e.key, "calls_per_step": e.count / steps,
+                             "self_cpu_us_per_step": round(e.self_cpu_time_total / steps, 1)} for e in top],
+           "ok": True}
+    print(f"step profile {name} {dtype}: {out['kernel_launches_per_step']:.0f} launches/step, device "
+          f"{out['device_kernel_us_per_step']} us/step; top host ops: "
+          + ", ".join(f"{t['op']} {t['self_cpu_us_per_step']}" for t in out["host_top_ops"][:6]), flush=True)
+    while eng.has_unfinished_requests():
+        eng.step()
+    del llm
+    torch.cuda.empty_cache() if args.device == "cuda" else None
+    return out
 
 
 def kernels(args) -> dict:
@@ -276,7 +338,8 @@ def tp_group(args) -> dict:
 
 
 def part(doc: dict, key: str, fn, *a) -> None:
-    """Run one check; record its result or its traceback, and its seconds."""
+    """Run one check; record its result or its traceback, and its seconds; write what is done so
+    far to doc["out"], so a run stopped at its time limit still leaves the checks it finished."""
     t0 = time.time()
     try:
         doc[key] = fn(*a)
@@ -284,6 +347,8 @@ def part(doc: dict, key: str, fn, *a) -> None:
         traceback.print_exc()
         doc[key] = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
     doc.setdefault("seconds", {})[key] = round(time.time() - t0, 1)
+    with open(doc["out"], "w") as f:
+        json.dump(doc, f, indent=2, default=str)
 
 
 def main() -> int:
@@ -311,7 +376,9 @@ def main() -> int:
 
     doc = {"benchmark": "gpu_check", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "platform": platform.platform(),
            "torch": torch.__version__, "transformers": transformers.__version__, "device": args.device,
-           "attention_backend": attention_backend(torch.device(args.device)), "quick": args.quick}
+           "attention_backend": attention_backend(torch.device(args.device)), "quick": args.quick,
+           "out": os.path.abspath(args.out)}
+    os.makedirs(os.path.dirname(doc["out"]), exist_ok=True)
     t0 = time.time()
     if args.device == "cuda":
         part(doc, "kernels", kernels, args)
@@ -323,12 +390,13 @@ def main() -> int:
     if smol:
         part(doc, "parity_smollm2", parity, "SmolLM2-135M", smol, os.path.dirname(smol), os.path.basename(smol),
              args)
-    decode = []
+    decode = doc["decode"] = []
     part(doc, "decode_tiny", lambda: decode.extend(decode_rate("tiny-llama-8l", tiny, "float32", args)) or {"ok": 1})
     for dtype in (("float32", "bfloat16") if smol else ()):
         part(doc, f"decode_smollm2_{dtype}",
              lambda d=dtype: decode.extend(decode_rate("SmolLM2-135M", smol, d, args)) or {"ok": 1})
-    doc["decode"] = decode
+    for dtype in (("float32", "bfloat16") if smol else ()):
+        part(doc, f"step_profile_smollm2_{dtype}", step_profile, "SmolLM2-135M", smol, dtype, args)
     checks = {k: bool(v.get("ok")) for k, v in doc.items() if isinstance(v, dict) and "ok" in v}
     doc["summary"] = {"checks": checks, "all_ok": all(checks.values()) and smol is not None,
                       "seconds": round(time.time() - t0, 1)}
