@@ -22,6 +22,7 @@ import torch
 
 from folio import kernels
 from folio.kernels.linear import warm_row_buckets
+from folio.worker import hugepages
 from folio.worker.block_manager import KVCacheManager, cdiv
 from folio.worker.models.llama import AttentionMetadata, LlamaModel
 from folio.worker.runner import ModelInfo
@@ -70,10 +71,14 @@ class ModelRunner:
         kv_heads = model.num_kv_heads  # this rank's, under tensor parallelism
 
         def cache(n: int, **kw) -> torch.Tensor:
+            # in host memory on huge pages (hugepages.py: attention's scattered block reads miss the
+            # TLB on 4 KB pages); pinned host blocks and device caches as torch allocates them
+            host = kw.get("device", torch.device("cpu")).type == "cpu" and not kw.get("pin_memory")
+            alloc = (lambda *shape: hugepages.zeros(*shape, dtype=dtype)) if host else (
+                lambda *shape: torch.zeros(*shape, dtype=dtype, **kw))
             if layout == "block_major":
-                return torch.zeros(n, c.num_layers, 2, block_size, kv_heads, c.head_dim, dtype=dtype, **kw)
-            return torch.zeros(c.num_layers, 2, n, block_size, kv_heads, c.head_dim, dtype=dtype,
-                               **kw).permute(2, 0, 1, 3, 4, 5)
+                return alloc(n, c.num_layers, 2, block_size, kv_heads, c.head_dim)
+            return alloc(c.num_layers, 2, n, block_size, kv_heads, c.head_dim).permute(2, 0, 1, 3, 4, 5)
 
         self.kv_blocks = cache(num_blocks, device=device)  # [blocks, layers, k|v, block_size, kv_heads, head_dim]
         self.kv_caches = [(self.kv_blocks[:, i, 0], self.kv_blocks[:, i, 1]) for i in range(c.num_layers)]
