@@ -9,7 +9,9 @@
    enough to preempt by swap (pinned host blocks). A prompt whose reference has a near-tie
    (top-2 logits closer than --margin) is left out and counted;
 3. decode: output tokens/s of one engine step at batch 1-256 (contexts of 128 tokens), tiny
-   float32 and SmolLM2 float32 / bfloat16;
+   float32 and SmolLM2 float32 / bfloat16; a batch-1 step's profile (kernel launches, device
+   time); SmolLM2 bfloat16 with the fused small ops (triton_ops.py) against torch's chains,
+   alternated in one engine, at batch 1 and 64;
 4. the tensor-parallel group on CUDA (issue 19): NCCL for device tensors, gloo for host ones
    (one GPU lent, so one rank: construction and routing, not a multi-GPU all-reduce).
 
@@ -293,6 +295,55 @@ def step_profile(name: str, model: str, dtype: str, args) -> dict:
     return out
 
 
+def fused_ops_ab(name: str, model: str, dtype: str, args) -> dict:
+    """The backend's small ops (on CUDA: triton_ops' one-launch norms and SiLU*up for 16-bit
+    models) against torch's reference chains, alternated A B B A in one engine at batch 1 and
+    64: decode ms per step and device-kernel launches per step each way."""
+    import dataclasses
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from folio.kernels import reference
+    from folio.worker import LLM
+    from profile_step import add_random_requests, prefill_all
+
+    rows = []
+    for batch in ((1, 16) if args.quick else (1, 64)):
+        llm = LLM(model, device=args.device, dtype=dtype, block_size=16, max_num_seqs=batch,
+                  num_kv_blocks=batch * 16 + 16, max_model_len=512, enable_prefix_caching=False)
+        eng = llm.engine
+        m = eng.runner.model
+        fused = m.ops
+        ref = dataclasses.replace(fused, rms_norm=reference.rms_norm, add_rms_norm=reference.add_rms_norm,
+                                  silu_mul=reference.silu_mul)
+        add_random_requests(eng, batch, 64, 100, prefix=f"ab{batch}-", seed=batch)
+        prefill_all(eng)
+        ms = {"fused": [], "reference": []}
+        launches = {}
+        for which in ("fused", "reference", "reference", "fused") * (1 if args.quick else 3):
+            m.ops = fused if which == "fused" else ref
+            eng.step()
+            t0 = time.perf_counter()
+            for _ in range(5):
+                eng.step()
+            ms[which].append(round((time.perf_counter() - t0) / 5 * 1e3, 3))
+            if which not in launches:
+                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+                with profile(activities=acts) as prof:
+                    eng.step()
+                launches[which] = sum(e.count for e in prof.key_averages()
+                                      if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+        m.ops = fused
+        rows.append({"model": name, "dtype": dtype, "batch": batch, "backend": fused.name,
+                     "fused_ops": fused.rms_norm.__module__, "step_ms": ms, "launches_per_step": launches})
+        print(f"fused ops A/B {name} {dtype} batch {batch} ({fused.rms_norm.__module__}): {ms}, launches "
+              f"{launches}", flush=True)
+        del llm
+        torch.cuda.empty_cache() if args.device == "cuda" else None
+    return {"rows": rows, "ok": True}
+
+
 def kernels(args) -> dict:
     import torch
 
@@ -397,6 +448,8 @@ def main() -> int:
              lambda d=dtype: decode.extend(decode_rate("SmolLM2-135M", smol, d, args)) or {"ok": 1})
     for dtype in (("float32", "bfloat16") if smol else ()):
         part(doc, f"step_profile_smollm2_{dtype}", step_profile, "SmolLM2-135M", smol, dtype, args)
+    if smol:
+        part(doc, "fused_ops_ab_smollm2_bfloat16", fused_ops_ab, "SmolLM2-135M", smol, "bfloat16", args)
     checks = {k: bool(v.get("ok")) for k, v in doc.items() if isinstance(v, dict) and "ok" in v}
     doc["summary"] = {"checks": checks, "all_ok": all(checks.values()) and smol is not None,
                       "seconds": round(time.time() - t0, 1)}

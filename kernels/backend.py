@@ -1,7 +1,8 @@
 """Which implementation of the kernel ops runs — decided here and nowhere else.
 
     FOLIO_ATTENTION_BACKEND=torch|cpp|triton   overrides the choice
-    default                                     triton on CUDA; on CPU cpp (decode attention in
+    default                                     triton on CUDA (for 16-bit models with the fused
+                                                norms and SiLU of triton_ops.py); on CPU cpp (decode attention in
                                                 C++, cpu_attention.py, and for bfloat16 the fused
                                                 norms, SiLU and rotary + KV write of cpu_ops.py)
                                                 when it builds, else torch
@@ -57,12 +58,15 @@ def _plan_for_triton(block_tables, seq_lens, query_start_loc, block_size, kv_byt
 
 
 def _triton_ops() -> KernelOps:
+    from folio.kernels import triton_ops
     from folio.kernels.copy_blocks import copy_blocks
     from folio.kernels.paged_attention import paged_attention
     from folio.kernels.write_kv import write_kv
 
-    # swap_blocks stays a batched torch copy (device <-> pinned host): no kernel beats the copy engine
-    return KernelOps("triton", write_kv, paged_attention, copy_blocks, reference.swap_blocks, _plan_for_triton)
+    # swap_blocks stays a batched torch copy (device <-> pinned host): no kernel beats the copy engine;
+    # the small ops one launch each for 16-bit models (float32 keeps torch's, HF-identical)
+    return KernelOps("triton", write_kv, paged_attention, copy_blocks, reference.swap_blocks, _plan_for_triton,
+                     triton_ops.rms_norm, triton_ops.add_rms_norm, triton_ops.silu_mul)
 
 
 def _cpp_ops() -> KernelOps:

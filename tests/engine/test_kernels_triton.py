@@ -159,3 +159,56 @@ def test_split_policy():
     for programs in range(1, 3000, 7):
         n = num_splits_for(132, programs, 8192, 1)
         assert 1 <= n <= MAX_SPLITS and (n == 1 or programs * (n - 1) < 8 * 132)
+
+
+@pytest.mark.parametrize("rows,width,pad", [(1, 64, 0), (5, 576, 0), (3, 100, 28), (7, 1000, 24)])
+def test_fused_small_ops_match_the_reference_chains(rows, width, pad):
+    """triton_ops' norms and SiLU*up against reference.py's torch chains: float16 within two
+    steps of the dtype (a row's squares summed in another order), the residual add exact and
+    written into h; rows that are views with a wider stride; float32 goes to the chains as is."""
+    from folio.kernels import triton_ops
+
+    gen = torch.Generator().manual_seed(rows * 1000 + width)
+    for scale in (1.0, 30.0, 1e-3):
+        base = (torch.randn(rows, width + pad, generator=gen) * scale).half()
+        x = base[:, :width]  # a view: row stride width + pad
+        r = (torch.randn(rows, width, generator=gen) * scale).half()
+        w = (torch.randn(width, generator=gen) * 0.5 + 1).half()
+        tol = dict(atol=2.0 ** -23, rtol=2 * 2.0 ** -10)  # two float16 steps (or two subnormal ones)
+        torch.testing.assert_close(triton_ops.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6), **tol)
+        want_h, want_y = reference.add_rms_norm(x.clone(), r, w, 1e-6)
+        h = x.clone()
+        got_h, got_y = triton_ops.add_rms_norm(h, r, w, 1e-6)
+        assert got_h.data_ptr() == h.data_ptr() and torch.equal(got_h, want_h), "the sum, rounded as torch's add"
+        torch.testing.assert_close(got_y, want_y, **tol)
+        gu = (torch.randn(rows, 2 * width, generator=gen) * scale * 4).half()
+        torch.testing.assert_close(triton_ops.silu_mul(gu), reference.silu_mul(gu), **tol)
+    x32 = torch.randn(rows, width, generator=gen)
+    w32 = torch.randn(width, generator=gen)
+    assert torch.equal(triton_ops.rms_norm(x32, w32, 1e-6), reference.rms_norm(x32, w32, 1e-6))
+    assert torch.equal(triton_ops.silu_mul(torch.cat([x32, x32], 1)), reference.silu_mul(torch.cat([x32, x32], 1)))
+
+
+def test_engine_in_float16_on_triton_backend_uses_the_fused_ops(model_dirs, monkeypatch):
+    """A 16-bit model on the Triton backend runs its norms and SiLU*up through triton_ops (one
+    launch each on a GPU) and stays close to the torch backend's chains: the same greedy tokens
+    until a step whose top-2 logits the two orders of summation could swap."""
+    from folio.kernels import triton_ops
+    from folio.worker import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=2)
+    runs = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv("FOLIO_ATTENTION_BACKEND", backend)
+        llm = LLM(model_dirs["llama"], dtype="float16", block_size=8, num_kv_blocks=64)
+        ops = llm.engine.runner.model.ops
+        runs[backend] = llm.generate(["def f(x):", "import os\n"], params)
+    assert (ops.rms_norm, ops.add_rms_norm, ops.silu_mul) == (
+        triton_ops.rms_norm, triton_ops.add_rms_norm, triton_ops.silu_mul)
+    for a, b in zip(runs["torch"], runs["triton"]):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        for i, (x, y) in enumerate(zip(ta, tb)):
+            if x != y:  # allowed only where the reference's top two were within float16's reach
+                top = sorted(a.outputs[0].logprobs[i].values(), reverse=True)[:2]
+                assert top[0] - top[1] < 1e-2, (i, ta, tb)
+                break

@@ -1,0 +1,99 @@
+"""The forward's small ops as Triton kernels, one launch each, for 16-bit models on the GPU.
+
+On CUDA a SmolLM2 decode step was launch-bound (benchmarks/gpu_check.py on an H200,
+2026-12-04): 824-946 kernel launches and ~2 ms of device time in a 9-14 ms step. torch's
+reference chains (reference.py) are most of those launches: RMSNorm is 6-8 kernels (casts,
+pow, mean, add, rsqrt, two products), the residual add one more, SiLU*up two. Here each is one:
+
+    rms_norm        y = weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)
+    add_rms_norm    h += r (rounded to the dtype, into h), then rms_norm(h)
+    silu_mul        silu(gate).to(dtype) * up, gate_up = [gate | up]
+
+with transformers' roundings (statistics in float32, each product of two 16-bit values rounded
+once), so they differ from the chains only in the order a row's squares are summed. That is
+why float32 keeps torch's chains, token-identical to HF, as on the CPU (cpu_ops.py): the
+fused ops serve bfloat16 and float16 only. Tested under TRITON_INTERPRET in float16 (the
+interpreter mishandles bfloat16 loads); bfloat16 and the speed need a GPU (gpu_check.py's
+`fused_ops_ab`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from folio.kernels import reference
+
+FUSED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, n, eps,
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < n
+    x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0)
+    if HAS_RES:  # the residual add, rounded to the dtype as torch's add is, stored back into x
+        r = tl.load(r_ptr + row * stride_r + cols, mask=m, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(x_ptr + row * stride_x + cols, x, mask=m)
+    h = x.to(tl.float32)
+    var = tl.sum(h * h, axis=0) / n
+    y = (h * (1.0 / tl.sqrt(var + eps))).to(out_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0)
+    tl.store(out_ptr + row * stride_o + cols, (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty),
+             mask=m)
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_o, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < n
+    g = tl.load(gu_ptr + row * stride_gu + cols, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * stride_gu + n + cols, mask=m, other=0.0).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty)  # F.silu: float32 inside, rounded
+    tl.store(out_ptr + row * stride_o + cols, (s.to(tl.float32) * u).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _fused(*ts: torch.Tensor) -> bool:
+    t0 = ts[0]
+    return (t0.dtype in FUSED_DTYPES and all(t.dtype == t0.dtype and t.device == t0.device for t in ts)
+            and t0.dim() == 2 and t0.stride(1) == 1 and t0.shape[0] > 0)
+
+
+def _norm(x: torch.Tensor, r: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    out = torch.empty_like(x)
+    n = x.shape[1]
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(x.shape[0],)](x, r if r is not None else x, weight, out, x.stride(0),
+                                    r.stride(0) if r is not None else 0, out.stride(0), n, eps,
+                                    HAS_RES=r is not None, BLOCK=block, num_warps=4 if block <= 4096 else 8)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if _fused(x) and weight.dtype == x.dtype and weight.is_contiguous() and weight.shape == x.shape[1:]:
+        return _norm(x, None, weight, eps)
+    return reference.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + r, rms_norm(h + r)), the sum written into h."""
+    if (_fused(h, r) and r.shape == h.shape and r.stride(1) == 1 and weight.dtype == h.dtype
+            and weight.is_contiguous() and weight.shape == h.shape[1:]):
+        return h, _norm(h, r, weight, eps)
+    return reference.add_rms_norm(h, r, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if _fused(gate_up) and gate_up.shape[1] % 2 == 0:
+        n = gate_up.shape[1] // 2
+        out = gate_up.new_empty(gate_up.shape[0], n)
+        block = min(1024, triton.next_power_of_2(n))
+        _silu_mul_kernel[(gate_up.shape[0], triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n,
+                                                                    BLOCK=block)
+        return out
+    return reference.silu_mul(gate_up)
