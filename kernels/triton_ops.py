@@ -19,6 +19,8 @@ interpreter mishandles bfloat16 loads); bfloat16 and the speed need a GPU (gpu_c
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import triton
 import triton.language as tl
@@ -26,6 +28,8 @@ import triton.language as tl
 from folio.kernels import reference
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
+log = logging.getLogger("folio.kernels")
+_broken: list[str] = []  # set when a launch failed (a compiler that rejects a kernel): chains from then on
 
 
 @triton.jit
@@ -60,7 +64,7 @@ def _silu_mul_kernel(gu_ptr, out_ptr, stride_gu, stride_o, n, BLOCK: tl.constexp
 
 def _fused(*ts: torch.Tensor) -> bool:
     t0 = ts[0]
-    return (t0.dtype in FUSED_DTYPES and all(t.dtype == t0.dtype and t.device == t0.device for t in ts)
+    return (not _broken and t0.dtype in FUSED_DTYPES and all(t.dtype == t0.dtype and t.device == t0.device for t in ts)
             and t0.dim() == 2 and t0.stride(1) == 1 and t0.shape[0] > 0)
 
 
@@ -74,9 +78,20 @@ def _norm(x: torch.Tensor, r: torch.Tensor | None, weight: torch.Tensor, eps: fl
     return out
 
 
+def _give_up(e: Exception) -> None:
+    """These kernels have not yet met every compiler and GPU: one that fails to build or launch
+    sends every later call to torch's chains, said once in the log, rather than failing steps."""
+    if not _broken:
+        log.warning("the fused Triton small ops failed (%s: %s); torch's chains from now on", type(e).__name__, e)
+    _broken.append(type(e).__name__)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if _fused(x) and weight.dtype == x.dtype and weight.is_contiguous() and weight.shape == x.shape[1:]:
-        return _norm(x, None, weight, eps)
+        try:
+            return _norm(x, None, weight, eps)
+        except Exception as e:  # noqa: BLE001 - see _give_up (nothing was written: the output is new)
+            _give_up(e)
     return reference.rms_norm(x, weight, eps)
 
 
@@ -84,7 +99,10 @@ def add_rms_norm(h: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: fl
     """(h + r, rms_norm(h + r)), the sum written into h."""
     if (_fused(h, r) and r.shape == h.shape and r.stride(1) == 1 and weight.dtype == h.dtype
             and weight.is_contiguous() and weight.shape == h.shape[1:]):
-        return h, _norm(h, r, weight, eps)
+        try:
+            return h, _norm(h, r, weight, eps)
+        except Exception as e:  # noqa: BLE001 - a launch that failed ran nothing: h is unchanged
+            _give_up(e)
     return reference.add_rms_norm(h, r, weight, eps)
 
 
@@ -93,7 +111,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         n = gate_up.shape[1] // 2
         out = gate_up.new_empty(gate_up.shape[0], n)
         block = min(1024, triton.next_power_of_2(n))
-        _silu_mul_kernel[(gate_up.shape[0], triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n,
-                                                                    BLOCK=block)
-        return out
+        try:
+            _silu_mul_kernel[(gate_up.shape[0], triton.cdiv(n, block))](gate_up, out, gate_up.stride(0),
+                                                                        out.stride(0), n, BLOCK=block)
+            return out
+        except Exception as e:  # noqa: BLE001 - see _give_up
+            _give_up(e)
     return reference.silu_mul(gate_up)

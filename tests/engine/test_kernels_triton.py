@@ -212,3 +212,28 @@ def test_engine_in_float16_on_triton_backend_uses_the_fused_ops(model_dirs, monk
                 top = sorted(a.outputs[0].logprobs[i].values(), reverse=True)[:2]
                 assert top[0] - top[1] < 1e-2, (i, ta, tb)
                 break
+
+
+def test_fused_small_ops_fall_back_to_the_chains_when_a_launch_fails(monkeypatch):
+    """A kernel a compiler rejects must not fail the step: that call and every later one run
+    torch's chains (and h is left as it was for the chain's add)."""
+    from folio.kernels import triton_ops
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*a, **k):
+                raise RuntimeError("no such instruction")
+            return launch
+
+    monkeypatch.setattr(triton_ops, "_rms_norm_kernel", Broken())
+    monkeypatch.setattr(triton_ops, "_silu_mul_kernel", Broken())
+    monkeypatch.setattr(triton_ops, "_broken", [])
+    gen = torch.Generator().manual_seed(3)
+    x, r = (torch.randn(3, 64, generator=gen).half() for _ in range(2))
+    w = torch.randn(64, generator=gen).half()
+    want_h, want_y = reference.add_rms_norm(x.clone(), r, w, 1e-6)
+    got_h, got_y = triton_ops.add_rms_norm(x.clone(), r, w, 1e-6)
+    assert torch.equal(got_h, want_h) and torch.equal(got_y, want_y)
+    assert triton_ops._broken == ["RuntimeError"]
+    assert torch.equal(triton_ops.silu_mul(torch.cat([x, r], 1)), reference.silu_mul(torch.cat([x, r], 1)))
+    assert torch.equal(triton_ops.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
