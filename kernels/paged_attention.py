@@ -1,12 +1,13 @@
 """Triton paged attention: one kernel for the whole batch (decode, chunked prefill, prefill).
 
-Program (seq, kv_head, tile) handles BLOCK_M rows of that sequence's new tokens for all
-GROUP query heads that read this kv head (grouped-query attention):
+Program (seq, kv_head, tile x split) handles BLOCK_M rows of that sequence's new tokens for
+all GROUP query heads that read this kv head (grouped-query attention):
 
     row r  ->  new token r // GROUP,  query head kv_head * GROUP + r % GROUP
 
-and walks the context in BLOCK_N-token tiles. Each token of a tile finds its
-physical block through the block table, so any block size works with any tile:
+and walks the context (its split's range of it) in BLOCK_N-token tiles: 64 for a decode tile,
+which on an H200 ran 1.1-1.5x faster than tiles of the block size (16). Each token of a tile
+finds its physical block through the block table, so any block size works with any tile:
 
     pos -> block_tables[seq, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
 
