@@ -254,12 +254,25 @@ def decode_rate(name: str, model: str, dtype: str, args) -> list[dict]:
     return rows
 
 
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")  # the host's kernel launches
+
+
+def profiled_steps(eng, steps: int, device: str):
+    """The torch profiler's per-op averages over `steps` engine steps (CUDA activity on a GPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            eng.step()
+    return prof.key_averages()
+
+
 def step_profile(name: str, model: str, dtype: str, args) -> dict:
     """Where one batch-1 decode step's wall time goes: the torch profiler over 5 steps, the ops with
     the most host time, and how many device kernels a step launches (a step that launches
     hundreds of small kernels is bound by the host, not the GPU)."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from folio.worker import LLM
     from profile_step import add_random_requests, prefill_all
@@ -271,13 +284,9 @@ def step_profile(name: str, model: str, dtype: str, args) -> dict:
     prefill_all(eng)
     for _ in range(2):
         eng.step()
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
-    with profile(activities=acts) as prof:
-        for _ in range(steps):
-            eng.step()
-    ev = prof.key_averages()
+    ev = profiled_steps(eng, steps, args.device)
     dev = [e for e in ev if getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type)]
-    launches = sum(e.count for e in ev if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+    launches = sum(e.count for e in ev if e.key in LAUNCH_CALLS)
     top = sorted(ev, key=lambda e: e.self_cpu_time_total, reverse=True)[:15]
     out = {"model": name, "dtype": dtype, "steps": steps,
            "kernel_launches_per_step": launches / steps,
@@ -302,7 +311,6 @@ def fused_ops_ab(name: str, model: str, dtype: str, args) -> dict:
     import dataclasses
 
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     from folio.kernels import reference
     from folio.worker import LLM
@@ -329,11 +337,7 @@ def fused_ops_ab(name: str, model: str, dtype: str, args) -> dict:
                 eng.step()
             ms[which].append(round((time.perf_counter() - t0) / 5 * 1e3, 3))
             if which not in launches:
-                acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
-                with profile(activities=acts) as prof:
-                    eng.step()
-                launches[which] = sum(e.count for e in prof.key_averages()
-                                      if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+                launches[which] = sum(e.count for e in profiled_steps(eng, 1, args.device) if e.key in LAUNCH_CALLS)
         m.ops = fused
         rows.append({"model": name, "dtype": dtype, "batch": batch, "backend": fused.name,
                      "fused_ops": fused.rms_norm.__module__, "step_ms": ms, "launches_per_step": launches})
