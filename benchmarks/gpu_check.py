@@ -305,8 +305,8 @@ def step_profile(name: str, model: str, dtype: str, args) -> dict:
 
 
 def fused_ops_ab(name: str, model: str, dtype: str, args) -> dict:
-    """The backend's small ops (on CUDA: triton_ops' one-launch norms and SiLU*up for 16-bit
-    models) against torch's reference chains, alternated A B B A in one engine at batch 1 and
+    """The backend's small ops (on CUDA: triton_ops' one-launch norms, SiLU*up and rotary + KV
+    write for 16-bit models) against torch's reference chains, alternated A B B A in one engine at batch 1 and
     64: decode ms per step and device-kernel launches per step each way."""
     import dataclasses
 
@@ -324,7 +324,7 @@ def fused_ops_ab(name: str, model: str, dtype: str, args) -> dict:
         m = eng.runner.model
         fused = m.ops
         ref = dataclasses.replace(fused, rms_norm=reference.rms_norm, add_rms_norm=reference.add_rms_norm,
-                                  silu_mul=reference.silu_mul)
+                                  silu_mul=reference.silu_mul, rope_write_kv=None)
         add_random_requests(eng, batch, 64, 100, prefix=f"ab{batch}-", seed=batch)
         prefill_all(eng)
         ms = {"fused": [], "reference": []}

@@ -66,7 +66,7 @@ def _triton_ops() -> KernelOps:
     # swap_blocks stays a batched torch copy (device <-> pinned host): no kernel beats the copy engine;
     # the small ops one launch each for 16-bit models (float32 keeps torch's, HF-identical)
     return KernelOps("triton", write_kv, paged_attention, copy_blocks, reference.swap_blocks, _plan_for_triton,
-                     triton_ops.rms_norm, triton_ops.add_rms_norm, triton_ops.silu_mul)
+                     triton_ops.rms_norm, triton_ops.add_rms_norm, triton_ops.silu_mul, triton_ops.rope_write_kv)
 
 
 def _cpp_ops() -> KernelOps:

@@ -190,8 +190,8 @@ def test_fused_small_ops_match_the_reference_chains(rows, width, pad):
 
 
 def test_engine_in_float16_on_triton_backend_uses_the_fused_ops(model_dirs, monkeypatch):
-    """A 16-bit model on the Triton backend runs its norms and SiLU*up through triton_ops (one
-    launch each on a GPU) and stays close to the torch backend's chains: the same greedy tokens
+    """A 16-bit model on the Triton backend runs its norms, SiLU*up and rotary + KV write through
+    triton_ops (one launch each on a GPU) and stays close to the torch backend's chains: the same greedy tokens
     until a step whose top-2 logits the two orders of summation could swap."""
     from folio.kernels import triton_ops
     from folio.worker import LLM, SamplingParams
@@ -203,8 +203,8 @@ def test_engine_in_float16_on_triton_backend_uses_the_fused_ops(model_dirs, monk
         llm = LLM(model_dirs["llama"], dtype="float16", block_size=8, num_kv_blocks=64)
         ops = llm.engine.runner.model.ops
         runs[backend] = llm.generate(["def f(x):", "import os\n"], params)
-    assert (ops.rms_norm, ops.add_rms_norm, ops.silu_mul) == (
-        triton_ops.rms_norm, triton_ops.add_rms_norm, triton_ops.silu_mul)
+    assert (ops.rms_norm, ops.add_rms_norm, ops.silu_mul, ops.rope_write_kv) == (
+        triton_ops.rms_norm, triton_ops.add_rms_norm, triton_ops.silu_mul, triton_ops.rope_write_kv)
     for a, b in zip(runs["torch"], runs["triton"]):
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
         for i, (x, y) in enumerate(zip(ta, tb)):
@@ -237,3 +237,38 @@ def test_fused_small_ops_fall_back_to_the_chains_when_a_launch_fails(monkeypatch
     assert triton_ops._broken == ["RuntimeError"]
     assert torch.equal(triton_ops.silu_mul(torch.cat([x, r], 1)), reference.silu_mul(torch.cat([x, r], 1)))
     assert torch.equal(triton_ops.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("nh,nkv,D,block_size,layout", [(4, 2, 16, 8, "block_major"), (3, 1, 64, 16, "flat"),
+                                                         (6, 3, 32, 4, "block_major")])
+def test_fused_rope_write_kv_is_the_chain_bit_for_bit(nh, nkv, D, block_size, layout):
+    """triton_ops.rope_write_kv against RotaryEmbedding.rotate + write_kv in float16: q and both
+    caches equal to the bit, a negative slot written nowhere; float32 and partial rotations
+    are left to the chain (None)."""
+    from folio.kernels import triton_ops
+    from folio.worker.models.rope import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(nh * 100 + D)
+    T, blocks = 7, 6
+    rope = RotaryEmbedding(D, {"rope_theta": 10000.0}, 4096, 512, torch.float16, torch.device("cpu"))
+    cos, sin = rope.cos_sin(torch.randint(0, 512, (T,), generator=gen))
+    qkv = (torch.randn(T, (nh + 2 * nkv) * D, generator=gen) * 3).half()
+    slots = torch.randperm(blocks * block_size, generator=gen)[:T]
+    slots[2] = -1
+    if layout == "block_major":
+        big = torch.full((blocks, 2, 2, block_size, nkv, D), float("nan")).half()
+        kc, vc = big[:, 1, 0], big[:, 1, 1]
+    else:
+        kc, vc = (torch.full((blocks, block_size, nkv, D), float("nan")).half() for _ in range(2))
+    rk, rv = kc.clone(), vc.clone()
+    q = triton_ops.rope_write_kv(qkv, cos, sin, nh, nkv, kc, vc, slots)
+    qk = rope.rotate(qkv[:, :(nh + nkv) * D].view(T, nh + nkv, D), cos, sin)
+    want_q, k = qk.split([nh, nkv], dim=1)
+    reference.write_kv(k, qkv[:, (nh + nkv) * D:].view(T, nkv, D), rk, rv, slots)
+    assert torch.equal(q, want_q)
+    torch.testing.assert_close(kc, rk, equal_nan=True, atol=0, rtol=0)
+    torch.testing.assert_close(vc, rv, equal_nan=True, atol=0, rtol=0)
+    assert kc.isnan().flatten(0, 1).all(-1).all(-1).sum() == blocks * block_size - (T - 1)  # 6 slots written
+    assert triton_ops.rope_write_kv(qkv.float(), cos.float(), sin.float(), nh, nkv, kc.float(), vc.float(),
+                                    slots) is None
+    assert triton_ops.rope_write_kv(qkv, cos[..., : D // 2], sin[..., : D // 2], nh, nkv, kc, vc, slots) is None
