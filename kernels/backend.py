@@ -2,7 +2,8 @@
 
     FOLIO_ATTENTION_BACKEND=torch|cpp|triton   overrides the choice
     default                                     triton on CUDA (for 16-bit models with the fused
-                                                norms and SiLU of triton_ops.py); on CPU cpp (decode attention in
+                                                norms, SiLU and rotary + KV write of triton_ops.py);
+                                                on CPU cpp (decode attention in
                                                 C++, cpu_attention.py, and for bfloat16 the fused
                                                 norms, SiLU and rotary + KV write of cpu_ops.py)
                                                 when it builds, else torch

@@ -6,7 +6,7 @@ all GROUP query heads that read this kv head (grouped-query attention):
     row r  ->  new token r // GROUP,  query head kv_head * GROUP + r % GROUP
 
 and walks the context (its split's range of it) in BLOCK_N-token tiles: 64 for a decode tile,
-which on an H200 ran 1.1-1.5x faster than tiles of the block size (16). Each token of a tile
+which on an H200 ran 1.1-1.7x faster than tiles of the block size (16). Each token of a tile
 finds its physical block through the block table, so any block size works with any tile:
 
     pos -> block_tables[seq, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE

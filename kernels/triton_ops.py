@@ -16,8 +16,8 @@ once), so they differ from the chains only in the order a row's squares are summ
 op not at all (each 16-bit product is exact in float32, then rounded as torch rounds it). That is
 why float32 keeps torch's chains, token-identical to HF, as on the CPU (cpu_ops.py): the
 fused ops serve bfloat16 and float16 only. Tested under TRITON_INTERPRET in float16 (the
-interpreter mishandles bfloat16 loads); bfloat16 and the speed need a GPU (gpu_check.py's
-`fused_ops_ab`).
+interpreter mishandles bfloat16 loads); bfloat16 and the speed need a GPU (gpu_check.py runs
+gpu_engine_speed.fused_ops_ab).
 """
 
 from __future__ import annotations
