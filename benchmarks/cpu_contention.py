@@ -11,6 +11,7 @@ idle fraction during the timed part (how much CPU the engine leaves for others a
 
     python benchmarks/cpu_contention.py --model models/tiny-llama-8l [--shares 0,0.3] [--period-ms 5]
         [--env GOMP_SPINCOUNT=10000]   # a variant of the engine's environment, run as its own mode
+        [--engines folio,vllm]         # also vLLM's offline LLM on the same requests (its venv)
 
 The amplification is (1 - tok/s with thief / tok/s without) / (share / cores): 1 means the
 engine loses exactly the CPU the thief takes, 2 that both OpenMP threads wait for the one the
@@ -24,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import data_plane  # benchmarks/: its _cpu() names the machine
@@ -44,6 +46,32 @@ while True:
 def _cpu_stat() -> tuple[int, int]:
     v = [int(x) for x in open("/proc/stat").readline().split()[1:]]
     return v[3] + v[4], sum(v)  # idle + iowait, all
+
+
+def child_vllm(model: str, share: float, period_ms: float, streams: int) -> dict:
+    """vLLM's offline `LLM` (its own engine-core process) on the same requests, the thief beside
+    the timed `generate` only: is its forward as sensitive to a stolen core as Folio's?"""
+    import serving_path_cost as spc
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(max_num_seqs=streams, **spc.vllm_args(model))
+    params = SamplingParams(max_tokens=spc.OUTPUT, temperature=0.0, ignore_eos=True, detokenize=False)
+    prompts = [{"prompt_token_ids": p} for p in spc.vllm_prompts(1 + streams * spc.ROUNDS)]
+    llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
+    thief = (subprocess.Popen([sys.executable, "-c", THIEF, str(share), str(period_ms)])
+             if share > 0 else None)
+    s0 = _cpu_stat()
+    t0 = time.perf_counter()
+    try:
+        outs = llm.generate(prompts[1:], params, use_tqdm=False)
+    finally:
+        wall = time.perf_counter() - t0
+        s1 = _cpu_stat()
+        if thief:
+            thief.kill()
+            thief.wait()
+    return {"output_tokens_per_s": round(sum(len(o.outputs[0].token_ids) for o in outs) / wall, 1),
+            "machine_idle_fraction": round((s1[0] - s0[0]) / max(1, s1[1] - s0[1]), 3)}
 
 
 def child(model: str, share: float, period_ms: float, streams: int) -> dict:
@@ -81,21 +109,35 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--env", action="append", default=[], help="NAME=VALUE: also run the engine with it")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "cpu_contention.json"))
+    ap.add_argument("--engines", default="folio", help="folio and/or vllm (vLLM's offline LLM, its venv)")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--child-engine", default="folio", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         share, period, streams = args.child
-        print("RESULT " + json.dumps(child(args.model, float(share), float(period), int(streams))), flush=True)
+        run = child_vllm if args.child_engine == "vllm" else child
+        print("RESULT " + json.dumps(run(args.model, float(share), float(period), int(streams))), flush=True)
         return 0
+
+    import serving_path_cost as spc
 
     shares = [float(s) for s in args.shares.split(",")]
     variants = [("default", {})] + [(e, dict([e.split("=", 1)])) for e in args.env]
+    if "vllm" in args.engines.split(","):
+        if not os.path.exists(spc.VLLM_PY):
+            raise SystemExit("no vLLM venv: run benchmarks/vs_peers_offline.py --setup-vllm first")
+        variants.append(("vllm", spc.VLLM_ENV))
+    if "folio" not in args.engines.split(","):
+        variants = [v for v in variants if v[0] == "vllm"]
     modes = [(name, env, s) for name, env in variants for s in shares]
     runs = []
     for name, env, share in modes + modes[::-1]:  # A B B A
-        proc = subprocess.run([sys.executable, __file__, "--model", args.model, "--child", str(share),
-                               str(args.period_ms), str(args.streams)],
-                              env=dict(os.environ, **env), capture_output=True, text=True, timeout=1800)
+        vllm = name == "vllm"  # in vLLM's venv, outside the checkout (its kernels/ shadows vLLM's import)
+        proc = subprocess.run([spc.VLLM_PY if vllm else sys.executable, os.path.abspath(__file__),
+                               "--model", os.path.abspath(args.model), "--child", str(share),
+                               str(args.period_ms), str(args.streams), "--child-engine", "vllm" if vllm else "folio"],
+                              env=dict(os.environ, **env), capture_output=True, text=True, timeout=1800,
+                              cwd=tempfile.gettempdir() if vllm else None)
         line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
         if proc.returncode or not line:
             sys.stderr.write(proc.stderr[-4000:])

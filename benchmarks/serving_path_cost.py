@@ -197,8 +197,8 @@ def thread_preemptions(pid: int) -> int:
     return n
 
 
-def engine_preemptions(root: int) -> int:
-    """thread_preemptions of the engine's process in `folio serve`'s (or vLLM's) tree."""
+def engine_pid(root: int) -> int | None:
+    """The engine's process in `folio serve`'s (or vLLM's) tree."""
     import psutil
 
     for p in psutil.Process(root).children(recursive=True):
@@ -207,8 +207,38 @@ def engine_preemptions(root: int) -> int:
         except psutil.Error:
             continue
         if "EngineWorker" in cmd or "EngineCor" in cmd:
-            return thread_preemptions(p.pid)
-    return 0
+            return p.pid
+    return None
+
+
+def engine_preemptions(root: int) -> int:
+    """thread_preemptions of the engine's process in `folio serve`'s (or vLLM's) tree."""
+    pid = engine_pid(root)
+    return thread_preemptions(pid) if pid else 0
+
+
+def thread_nice(pid: int | None) -> list[int]:
+    """The nice values a process's threads run at (Ray starts its workers at 15 unless told)."""
+    seen = set()
+    for tid in os.listdir(f"/proc/{pid}/task") if pid else []:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                seen.add(int(f.read().rsplit(")", 1)[1].split()[16]))
+        except (OSError, IndexError, ValueError):
+            continue
+    return sorted(seen)
+
+
+def pinned_threads(pid: int | None) -> int:
+    """How many of a process's threads may run on one CPU only (FOLIO_BIND_THREADS=1 pins the
+    engine's OpenMP team: the check that it reached the served engine)."""
+    n = 0
+    for tid in os.listdir(f"/proc/{pid}/task") if pid else []:
+        try:
+            n += len(os.sched_getaffinity(int(tid))) == 1
+        except OSError:
+            continue
+    return n
 
 
 SERVE_ENV = dict(os.environ, RAY_AUTH_MODE="disabled", HF_HUB_OFFLINE="1")
@@ -254,6 +284,7 @@ def _drive_server(srv: subprocess.Popen, port: int, target: str, ready_s: float 
             client1 = resource.getrusage(resource.RUSAGE_CHILDREN)
             cpu1 = cpu_by_role(srv.pid)
             preempted = engine_preemptions(srv.pid) - pre0
+            pinned, nice = pinned_threads(engine_pid(srv.pid)), thread_nice(engine_pid(srv.pid))
             time.sleep(0.5)
             after = engine_counters(port)
             s = json.load(open(out))["runs"][0]["summary"]
@@ -272,7 +303,8 @@ def _drive_server(srv: subprocess.Popen, port: int, target: str, ready_s: float 
                                                for k, v in cpu.items()},
                       # the engine's threads taken off a core by other processes' threads
                       "engine_involuntary_switches_per_s": round(preempted / s["duration_s"]),
-                      "engine_involuntary_switches_per_step": round(preempted / steps, 1) if steps else None}
+                      "engine_involuntary_switches_per_step": round(preempted / steps, 1) if steps else None,
+                      "engine_pinned_threads": pinned, "engine_thread_nice": nice}
         return res
     finally:
         # the whole tree gone before the next mode starts: Ray's workers outlive the driver
@@ -338,12 +370,24 @@ def run_vllm_serve(model, threads=None) -> dict:
     return _drive_server(srv, port, f"http://127.0.0.1:{port}", ready_s=600)
 
 
+def mode_env(mode: str) -> dict:
+    """A mode's environment variants: +bind is FOLIO_BIND_THREADS=1 (the engine's OpenMP team
+    pinned, one thread per core), +NAME=VALUE sets NAME (e.g. serve+RAY_worker_niceness=0)."""
+    env = {}
+    for part in mode.split("+")[1:]:
+        name, eq, value = part.partition("=")
+        env.update({"FOLIO_BIND_THREADS": "1"} if part == "bind" else {name: value} if eq else {})
+    return env
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--modes", default="inprocess,ray,serve-grpc,serve",
                     help="also vllm-offline,vllm-serve: vLLM's served / offline ratio at the same load; "
-                         "MODE@N runs Folio's engine on N torch threads (default: every core)")
+                         "MODE@N runs Folio's engine on N torch threads (default: every core), MODE+bind "
+                         "with its OpenMP team pinned one thread per core (FOLIO_BIND_THREADS=1), "
+                         "MODE+NAME=VALUE with NAME set in its environment")
     ap.add_argument("--streams", default="16,64", help="concurrent streams, comma-separated")
     ap.add_argument("--abba", action="store_true", help="run the modes in order, then in reverse; average")
     ap.add_argument("--role", help=argparse.SUPPRESS)
@@ -351,7 +395,8 @@ def main() -> int:
     args = ap.parse_args()
     STREAMS[:] = [int(x) for x in args.streams.split(",")]
     if args.role:  # one mode, in a fresh process
-        name, _, threads = args.role.partition("@")  # mode@N: N torch threads for Folio's engine
+        # mode@N: N torch threads for Folio's engine; mode+bind / mode+NAME=VALUE: environment variants
+        name, _, threads = args.role.split("+")[0].partition("@")
         fn = {"inprocess": run_inprocess, "ray": run_ray, "serve": run_serve,
               "serve-grpc": functools.partial(run_serve, grpc=True), "vllm-offline": run_vllm_offline,
               "vllm-serve": run_vllm_serve}[name]
@@ -370,7 +415,8 @@ def main() -> int:
         p = subprocess.run([VLLM_PY if vllm else sys.executable, os.path.abspath(__file__),
                             "--model", os.path.abspath(args.model), "--role", mode, "--streams", args.streams],
                            capture_output=True, text=True, cwd=tempfile.gettempdir() if vllm else None,
-                           env=dict(os.environ, RAY_AUTH_MODE="disabled", **(VLLM_ENV if vllm else {})))
+                           env=dict(os.environ, RAY_AUTH_MODE="disabled", **(VLLM_ENV if vllm else {}),
+                                    **mode_env(mode)))
         line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
         if p.returncode != 0 or line is None:
             raise SystemExit(f"{mode} failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")

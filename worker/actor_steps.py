@@ -20,6 +20,16 @@ from folio.worker.messages import CompletionDelta, FinishReason, GenerateRequest
 log = logging.getLogger("folio.worker")
 
 
+def _name_os_thread(name: bytes) -> None:
+    """The calling thread's name as the OS shows it (Linux prctl PR_SET_NAME, 15 bytes)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name[:15]), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 class StepLoop:
     def _send(self, fn: Callable) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -102,6 +112,7 @@ class StepLoop:
         import torch
 
         torch.set_num_threads(torch.get_num_threads())
+        _name_os_thread(b"folio-step")  # top -H names it; OpenMP's threads started from it inherit the name
         self._step_thread = threading.current_thread()
         # The engine is built here, on the thread that runs it: an engine loaded (and its
         # linear layers warmed up) on another thread left that thread's OpenMP pool beside
@@ -111,6 +122,13 @@ class StepLoop:
         except BaseException as e:
             built.set_exception(e)
             return
+        if os.environ.get("FOLIO_BIND_THREADS") == "1":  # experiment (#15): the team pinned, as vLLM's
+            # after the factory, which sets the thread count: a thread OpenMP starts later inherits
+            # the mask of the (pinned) thread that starts it, so both would share one core
+            from folio.kernels import cpu_ops
+
+            cpus = sorted(os.sched_getaffinity(0))[:torch.get_num_threads()]
+            log.warning("OpenMP team pinned to CPUs %s: threads %s", cpus, cpu_ops.bind_threads(cpus))
         built.set_result(None)
         next_beat = 0.0
         while not self._stop:

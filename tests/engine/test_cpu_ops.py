@@ -198,3 +198,51 @@ def test_rope_write_kv_refuses_a_slot_past_the_cache_and_leaves_float32_to_the_c
         cpu_ops.rope_write_kv(qkv, cos, cos, 1, 1, k, v, torch.tensor([0, 8]))
     assert cpu_ops.rope_write_kv(qkv.float(), cos.float(), cos.float(), 1, 1, k.float(), v.float(),
                                  torch.tensor([0, 1])) is None
+
+
+BIND_CHILD = r"""
+import json, os, threading, torch
+from folio.kernels import cpu_ops
+cpus = sorted(os.sched_getaffinity(0))[:2]
+torch.set_num_threads(len(cpus))
+before = threading.Thread(target=threading.Event().wait, daemon=True)  # started before the binding
+before.start()
+out = {}
+def bound():  # on its own thread, as the worker's step thread does it
+    torch.set_num_threads(len(cpus))
+    out["tids"] = cpu_ops.bind_threads(cpus)
+    out["me"] = threading.get_native_id()
+    a, b = torch.randn(300, 300), torch.randn(300, 300)
+    out["mm_ok"] = bool(torch.allclose(a @ b, (a.double() @ b.double()).float(), atol=1e-3))
+    out["masks"] = [sorted(os.sched_getaffinity(tid)) for tid in out["tids"]]  # while they live
+t = threading.Thread(target=bound)
+t.start(); t.join()
+out["cpus"] = cpus
+out["main"] = sorted(os.sched_getaffinity(0))
+out["before"] = sorted(os.sched_getaffinity(before.native_id))
+print(json.dumps(out))
+"""
+
+
+def test_bind_threads_pins_the_callers_team_one_cpu_each_and_nothing_else():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if not cpu_ops.available():
+        pytest.skip("no C++ library here")
+    # in a child: pinning this process's threads would slow every later test
+    done = subprocess.run([sys.executable, "-c", BIND_CHILD], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    cpus, everything = out["cpus"], sorted(os.sched_getaffinity(0))
+    assert len(out["tids"]) == len(cpus) and out["tids"][0] == out["me"]  # the caller is thread 0
+    assert out["masks"] == [[c] for c in cpus]  # thread i on cpus[i], alone
+    assert out["main"] == everything and out["before"] == everything  # the other threads keep theirs
+    assert out["mm_ok"]
+    with pytest.raises(RuntimeError, match="no CPU 100000"):
+        torch.ops.folio_cpu.bind_threads([100000])
+    with pytest.raises(RuntimeError, match="no CPU -1"):
+        torch.ops.folio_cpu.bind_threads([-1])
+    assert cpu_ops.bind_threads([]) is None

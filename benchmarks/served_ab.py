@@ -1,0 +1,201 @@
+"""Variants of `folio serve` or of its load client, alternated on ONE server: the same engine,
+the same Ray, the same minutes (this 2-core machine's speed drifts 10-30 % between
+processes, so a server per variant measures the drift).
+
+    python benchmarks/served_ab.py --model models/tiny-llama-8l --variants nice=15,nice=0,engine-nice=0
+    python benchmarks/served_ab.py --model models/tiny-llama-8l --variants client:FOLIO_BENCH_UVLOOP=0,default
+        [--streams 16,64] [--rounds 3] [--grpc]
+
+A variant is one of:
+- nice=N: every thread of every Ray worker process (the engine worker, the frontend replica,
+  the coordinator, Serve's controller; not Ray's agents) reniced to N. Ray starts its workers
+  at nice 15, below its GCS and raylet, the `folio serve` driver and the load client (0);
+- engine-nice=N: the engine worker's threads at N, the other workers' at 15;
+- pin / unpin: the engine's step thread and the OpenMP threads it started (named folio-step)
+  pinned one per CPU in the order they started, as FOLIO_BIND_THREADS=1 pins them from inside
+  (cpu_ops.bind_threads), or given every CPU back;
+- client:NAME=VALUE: the load client (`folio bench`) run with NAME=VALUE in its environment;
+- default: nothing changed.
+Each round runs the variants in order and then in reverse (A B B A). A run is `folio bench` at
+`streams` concurrent streams of 50 -> 100 tokens (4 requests a stream); its CPU time (user +
+system) is recorded per 1,000 output tokens. Results: benchmarks/results/served_ab.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import serving_path_cost as spc  # noqa: E402
+
+
+AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")  # the raylet's helpers, started at nice 0
+
+
+def ray_workers(root: int) -> dict[int, str]:
+    """pid -> name of the Ray worker processes of `folio serve`'s tree (the raylet's children;
+    not its agents, which Ray starts at nice 0)."""
+    import psutil
+
+    out = {}
+    for p in psutil.Process(root).children(recursive=True):
+        try:
+            name = p.cmdline()[0] if p.cmdline() else p.name()
+        except psutil.Error:
+            continue
+        if name.startswith("ray::") and not name.startswith(AGENTS):
+            out[p.pid] = name
+    return out
+
+
+def renice(pids, nice: int) -> int:
+    """Every thread of each process to `nice` (Linux: nice is per thread); how many were set."""
+    n = 0
+    for pid in pids:
+        for tid in os.listdir(f"/proc/{pid}/task") if os.path.exists(f"/proc/{pid}/task") else []:
+            try:
+                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+                n += 1
+            except OSError:  # a thread that ended meanwhile
+                continue
+    return n
+
+
+def step_threads(pid: int) -> list[int]:
+    """The engine's step thread and its OpenMP team (named folio-step: actor_steps.py), by start."""
+    tids = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            if open(f"/proc/{pid}/task/{tid}/comm").read().startswith("folio-step"):
+                tids.append(int(tid))
+        except OSError:
+            continue
+    return sorted(tids)
+
+
+def pin(workers: dict[int, str], on: bool) -> list:
+    engine = next(p for p, n in workers.items() if "EngineWorker" in n)
+    cpus = sorted(os.sched_getaffinity(0))
+    placed = []
+    for i, tid in enumerate(step_threads(engine)):
+        mask = {cpus[i % len(cpus)]} if on else set(cpus)
+        os.sched_setaffinity(tid, mask)
+        placed.append((tid, sorted(mask)))
+    return placed
+
+
+def apply(variant: str, workers: dict[int, str]) -> dict:
+    """Set a variant up; the load client's extra environment."""
+    kind, _, value = variant.partition("=")
+    if variant in ("pin", "unpin"):
+        print(variant, pin(workers, variant == "pin"), flush=True)
+    elif kind == "engine-nice":
+        renice([p for p, n in workers.items() if "EngineWorker" not in n], 15)
+        renice([p for p, n in workers.items() if "EngineWorker" in n], int(value))
+    elif kind == "nice":
+        renice(workers, int(value))
+    elif variant.startswith("client:"):
+        name, _, value = variant[len("client:"):].partition("=")
+        return {name: value}
+    elif variant != "default":
+        raise SystemExit(f"unknown variant {variant!r}")
+    return {}
+
+
+def bench(target: str, streams: int, out: str, env: dict | None = None) -> dict:
+    cmd = [sys.executable, "-m", "folio.deploy.cli", "bench", "--target", target, "--workload", "random",
+           "--input-unit", "tokens", "--token-id-range", "16-8000", "--input-len", f"fixed:{spc.PROMPT}",
+           "--output-len", f"fixed:{spc.OUTPUT}", "--max-concurrency", str(streams),
+           "--num-requests", str(4 * streams), "--quiet", "--out", out]
+    c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run(cmd, env=dict(spc.SERVE_ENV, **(env or {})), check=True, capture_output=True)
+    c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    s = json.load(open(out))["runs"][0]["summary"]
+    cpu = (c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime)
+    return {"output_tokens_per_s": round(s["output_throughput"], 1), "tpot_ms_median": round(1e3 * s["tpot_s"]["median"], 1),
+            "ttft_ms_median": round(1e3 * s["ttft_s"]["median"], 1),
+            "client_cpu_s_per_1k_tokens": round(1e3 * cpu / s["output_tokens"], 3)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--variants", required=True, help="comma-separated (see above)")
+    ap.add_argument("--streams", default="16,64")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--grpc", action="store_true", help="drive the gRPC API (default: HTTP)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "served_ab.json"))
+    args = ap.parse_args()
+    variants, streams = args.variants.split(","), [int(s) for s in args.streams.split(",")]
+    port, grpc_port = spc.free_port(), spc.free_port()
+    log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
+    srv = subprocess.Popen([sys.executable, "-m", "folio.deploy.cli", "serve", "--model", args.model, "--num-workers", "1",
+                            "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", str(grpc_port),
+                            "--block-size", "16", "--num-kv-blocks", str(spc.KV_BLOCKS), "--max-model-len", "1024",
+                            "--max-num-requests", "1024", "--namespace", f"ab{os.getpid()}", "--grace-period-s", "1"],
+                           env=spc.SERVE_ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    target = f"grpc://127.0.0.1:{grpc_port}" if args.grpc else f"http://127.0.0.1:{port}"
+    out = os.path.join(tempfile.mkdtemp(), "bench.json")
+    runs = []
+    try:
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+                break
+            except OSError:
+                if srv.poll() is not None:
+                    raise SystemExit(f"the server exited with {srv.returncode}; its log: {log.name}")
+                time.sleep(1)
+        workers = ray_workers(srv.pid)
+        print("Ray workers:", workers, "nice now:", {p: spc.thread_nice(p) for p in workers}, flush=True)
+        for n in streams:
+            bench(target, n, out)  # warm-up
+        for r in range(args.rounds):
+            for v in variants + variants[::-1]:
+                env = apply(v, workers)
+                for n in streams:
+                    res = {"round": r, "variant": v, "streams": n, **bench(target, n, out, env),
+                           "engine_thread_nice": spc.thread_nice(next(p for p, m in workers.items() if "EngineWorker" in m))}
+                    runs.append(res)
+                    print(json.dumps(res), flush=True)
+    finally:
+        import psutil
+
+        tree = psutil.Process(srv.pid).children(recursive=True)
+        os.killpg(srv.pid, 15)
+        srv.wait(120)
+        _, alive = psutil.wait_procs(tree, timeout=60)
+        for p in alive:
+            p.kill()
+    summary = {}
+    for n in streams:
+        base = statistics.mean(r["output_tokens_per_s"] for r in runs if r["streams"] == n and r["variant"] == variants[0])
+        for v in variants:
+            got = [r["output_tokens_per_s"] for r in runs if r["streams"] == n and r["variant"] == v]
+            cpu = [r["client_cpu_s_per_1k_tokens"] for r in runs if r["streams"] == n and r["variant"] == v]
+            summary[f"{v} @ {n} streams"] = {"output_tokens_per_s_mean": round(statistics.mean(got), 1),
+                                             f"over {variants[0]}": round(statistics.mean(got) / base, 3), "runs": got,
+                                             "client_cpu_s_per_1k_tokens_mean": round(statistics.mean(cpu), 3)}
+    doc = {"benchmark": "served_ab", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(["python"] + sys.argv),
+           "target": "grpc" if args.grpc else "http", "order": "per round: variants, then reversed (A B B A), one server",
+           "summary": summary, "runs": runs}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
