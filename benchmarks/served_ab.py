@@ -12,8 +12,8 @@ A variant is one of:
   at nice 15, below its GCS and raylet, the `folio serve` driver and the load client (0);
 - engine-nice=N: the engine worker's threads at N, the other workers' at 15;
 - pin / unpin: the engine's step thread and the OpenMP threads it started (named folio-step)
-  pinned one per CPU in the order they started, as FOLIO_BIND_THREADS=1 pins them from inside
-  (cpu_ops.bind_threads), or given every CPU back;
+  pinned one per CPU in the order they started (as vLLM's VLLM_CPU_OMP_THREADS_BIND pins its
+  team), or given every CPU back;
 - client:NAME=VALUE: the load client (`folio bench`) run with NAME=VALUE in its environment;
 - default: nothing changed.
 Each round runs the variants in order and then in reverse (A B B A). A run is `folio bench` at

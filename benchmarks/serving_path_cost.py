@@ -229,18 +229,6 @@ def thread_nice(pid: int | None) -> list[int]:
     return sorted(seen)
 
 
-def pinned_threads(pid: int | None) -> int:
-    """How many of a process's threads may run on one CPU only (FOLIO_BIND_THREADS=1 pins the
-    engine's OpenMP team: the check that it reached the served engine)."""
-    n = 0
-    for tid in os.listdir(f"/proc/{pid}/task") if pid else []:
-        try:
-            n += len(os.sched_getaffinity(int(tid))) == 1
-        except OSError:
-            continue
-    return n
-
-
 SERVE_ENV = dict(os.environ, RAY_AUTH_MODE="disabled", HF_HUB_OFFLINE="1")
 
 
@@ -284,7 +272,7 @@ def _drive_server(srv: subprocess.Popen, port: int, target: str, ready_s: float 
             client1 = resource.getrusage(resource.RUSAGE_CHILDREN)
             cpu1 = cpu_by_role(srv.pid)
             preempted = engine_preemptions(srv.pid) - pre0
-            pinned, nice = pinned_threads(engine_pid(srv.pid)), thread_nice(engine_pid(srv.pid))
+            nice = thread_nice(engine_pid(srv.pid))
             time.sleep(0.5)
             after = engine_counters(port)
             s = json.load(open(out))["runs"][0]["summary"]
@@ -304,7 +292,7 @@ def _drive_server(srv: subprocess.Popen, port: int, target: str, ready_s: float 
                       # the engine's threads taken off a core by other processes' threads
                       "engine_involuntary_switches_per_s": round(preempted / s["duration_s"]),
                       "engine_involuntary_switches_per_step": round(preempted / steps, 1) if steps else None,
-                      "engine_pinned_threads": pinned, "engine_thread_nice": nice}
+                      "engine_thread_nice": nice}
         return res
     finally:
         # the whole tree gone before the next mode starts: Ray's workers outlive the driver
@@ -371,12 +359,15 @@ def run_vllm_serve(model, threads=None) -> dict:
 
 
 def mode_env(mode: str) -> dict:
-    """A mode's environment variants: +bind is FOLIO_BIND_THREADS=1 (the engine's OpenMP team
-    pinned, one thread per core), +NAME=VALUE sets NAME (e.g. serve+RAY_worker_niceness=0)."""
+    """A mode's environment variants: +NAME=VALUE sets NAME (e.g. serve+RAY_worker_niceness=0).
+    (+bind, FOLIO_BIND_THREADS=1, pinned the engine's OpenMP team until it was dropped for
+    showing no served gain: commit 5976614 has it.)"""
     env = {}
     for part in mode.split("+")[1:]:
         name, eq, value = part.partition("=")
-        env.update({"FOLIO_BIND_THREADS": "1"} if part == "bind" else {name: value} if eq else {})
+        if not eq:
+            raise SystemExit(f"a mode's variant is +NAME=VALUE, got +{part}")
+        env[name] = value
     return env
 
 
@@ -385,8 +376,7 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--modes", default="inprocess,ray,serve-grpc,serve",
                     help="also vllm-offline,vllm-serve: vLLM's served / offline ratio at the same load; "
-                         "MODE@N runs Folio's engine on N torch threads (default: every core), MODE+bind "
-                         "with its OpenMP team pinned one thread per core (FOLIO_BIND_THREADS=1), "
+                         "MODE@N runs Folio's engine on N torch threads (default: every core), "
                          "MODE+NAME=VALUE with NAME set in its environment")
     ap.add_argument("--streams", default="16,64", help="concurrent streams, comma-separated")
     ap.add_argument("--abba", action="store_true", help="run the modes in order, then in reverse; average")
@@ -395,7 +385,7 @@ def main() -> int:
     args = ap.parse_args()
     STREAMS[:] = [int(x) for x in args.streams.split(",")]
     if args.role:  # one mode, in a fresh process
-        # mode@N: N torch threads for Folio's engine; mode+bind / mode+NAME=VALUE: environment variants
+        # mode@N: N torch threads for Folio's engine; mode+NAME=VALUE: an environment variant
         name, _, threads = args.role.split("+")[0].partition("@")
         fn = {"inprocess": run_inprocess, "ray": run_ray, "serve": run_serve,
               "serve-grpc": functools.partial(run_serve, grpc=True), "vllm-offline": run_vllm_offline,

@@ -14,19 +14,11 @@
 //                                              F.silu(gate) * up rounds
 //   rope_write_kv(qkv, cos, sin, ...)         q and k rotated (bit-identical to torch's bf16
 //                                              chain), k and v written to their cache slots
-//   bind_threads(cpus)                       -> int64 [n]: the calling thread's OpenMP team
-//                                              (torch's pool, n = len(cpus) threads) each pinned
-//                                              to one CPU, thread i to cpus[i]; their thread ids
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
-
-#include <omp.h>
-#include <sched.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -253,30 +245,6 @@ void rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tenso
   });
 }
 
-// Pins each thread of the calling thread's OpenMP team to one CPU, as vLLM's CPU worker does
-// (VLLM_CPU_OMP_THREADS_BIND). Only the team's threads: the process's other threads keep their
-// mask (a pinned main thread would hand its mask to every thread it starts afterwards).
-at::Tensor bind_threads(at::IntArrayRef cpus) {
-  const int n = static_cast<int>(cpus.size());
-  TORCH_CHECK(n >= 1, "bind_threads: no CPU given");
-  for (int64_t c : cpus) TORCH_CHECK(c >= 0 && c < CPU_SETSIZE, "bind_threads: no CPU ", c);
-  at::Tensor tids = at::empty({n}, at::TensorOptions().dtype(at::kLong));
-  int64_t* out = tids.data_ptr<int64_t>();
-  std::fill(out, out + n, -1);
-  int failed = 0;
-#pragma omp parallel num_threads(n) reduction(| : failed)
-  {
-    const int t = omp_get_thread_num();
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    CPU_SET(static_cast<int>(cpus[t]), &set);
-    failed |= sched_setaffinity(0, sizeof(set), &set) != 0;
-    out[t] = static_cast<int64_t>(syscall(SYS_gettid));
-  }
-  TORCH_CHECK(!failed, "bind_threads: sched_setaffinity failed");
-  return tids;
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(folio_cpu, m) {
@@ -286,7 +254,6 @@ TORCH_LIBRARY_FRAGMENT(folio_cpu, m) {
   m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
   m.def("rope_write_kv(Tensor qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slots, Tensor(c!) q_out) -> ()");
-  m.def("bind_threads(int[] cpus) -> Tensor", TORCH_FN(bind_threads));
   m.impl("argmax_rows", c10::DispatchKey::CPU, TORCH_FN(argmax_rows));
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));

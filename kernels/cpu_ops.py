@@ -78,11 +78,3 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_h
     except RuntimeError as e:  # its checks (a slot past the cache): write_kv's class of error
         raise KernelInputError(str(e).split("\n")[0]) from None
     return q
-
-
-def bind_threads(cpus: list[int]) -> list[int] | None:
-    """Pin the calling thread's OpenMP team (torch's pool, len(cpus) threads) one thread per CPU,
-    thread i to cpus[i] (the caller is thread 0); their thread ids, or None without the library."""
-    if not cpus or not available():
-        return None
-    return torch.ops.folio_cpu.bind_threads([int(c) for c in cpus]).tolist()

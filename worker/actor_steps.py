@@ -122,13 +122,6 @@ class StepLoop:
         except BaseException as e:
             built.set_exception(e)
             return
-        if os.environ.get("FOLIO_BIND_THREADS") == "1":  # experiment (#15): the team pinned, as vLLM's
-            # after the factory, which sets the thread count: a thread OpenMP starts later inherits
-            # the mask of the (pinned) thread that starts it, so both would share one core
-            from folio.kernels import cpu_ops
-
-            cpus = sorted(os.sched_getaffinity(0))[:torch.get_num_threads()]
-            log.warning("OpenMP team pinned to CPUs %s: threads %s", cpus, cpu_ops.bind_threads(cpus))
         built.set_result(None)
         next_beat = 0.0
         while not self._stop:

@@ -254,6 +254,8 @@ def test_the_engine_is_built_on_the_step_thread_and_a_failed_build_raises(model)
     try:
         assert built_on == [w._step_thread] and built_on[0] is not threading.current_thread()
         assert asyncio.run(w._call(lambda e: threading.current_thread())) is built_on[0]
+        # top -H and benchmarks/served_ab.py find it (and the OpenMP threads it starts) by name
+        assert open(f"/proc/self/task/{built_on[0].native_id}/comm").read().strip() == "folio-step"
     finally:
         w.shutdown()
 
