@@ -99,9 +99,24 @@ async def _run(args) -> dict:
             "command": " ".join(["folio"] + sys.argv[1:]), "runs": runs}
 
 
+def _loop_factory():
+    """uvloop's event loop where installed (as uvicorn and Ray's actors use it), unless
+    FOLIO_BENCH_UVLOOP=0: a load client on the server's machine takes CPU from the server, and
+    asyncio's own loop spends more of it per streamed chunk."""
+    if os.environ.get("FOLIO_BENCH_UVLOOP", "1") != "0":
+        try:
+            import uvloop
+
+            return uvloop.new_event_loop
+        except ImportError:
+            pass
+    return None
+
+
 def main(args) -> int:
     try:
-        doc = asyncio.run(_run(args))
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            doc = runner.run(_run(args))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

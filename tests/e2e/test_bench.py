@@ -59,6 +59,20 @@ def test_slo_and_distribution_specs():
             parse_dist(bad)
 
 
+def test_the_load_client_runs_on_uvloop_unless_told_not_to(monkeypatch):
+    # it shares the server's cores in every one-machine comparison: uvloop's loop took ~20 % less
+    # CPU per output token (benchmarks/results/served_ab_uvloop_2026-12-04.json); the e2e tests
+    # below drive HTTP and gRPC targets through it
+    import uvloop
+
+    from folio.deploy.bench import command
+
+    monkeypatch.delenv("FOLIO_BENCH_UVLOOP", raising=False)
+    assert command._loop_factory() is uvloop.new_event_loop
+    monkeypatch.setenv("FOLIO_BENCH_UVLOOP", "0")
+    assert command._loop_factory() is None
+
+
 def test_workloads_and_load_shapes(tmp_path):
     sp = build("shared-prefix", 8, prefixes=2, prefix_len=20)
     heads = {j.group: " ".join(j.turns[0].text.split()[:20]) for j in sp.jobs}
