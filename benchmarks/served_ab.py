@@ -32,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -138,25 +137,12 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "results", "served_ab.json"))
     args = ap.parse_args()
     variants, streams = args.variants.split(","), [int(s) for s in args.streams.split(",")]
-    port, grpc_port = spc.free_port(), spc.free_port()
-    log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
-    srv = subprocess.Popen([sys.executable, "-m", "folio.deploy.cli", "serve", "--model", args.model, "--num-workers", "1",
-                            "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", str(grpc_port),
-                            "--block-size", "16", "--num-kv-blocks", str(spc.KV_BLOCKS), "--max-model-len", "1024",
-                            "--max-num-requests", "1024", "--namespace", f"ab{os.getpid()}", "--grace-period-s", "1"],
-                           env=spc.SERVE_ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    srv, port, grpc_port = spc.start_folio(args.model)
     target = f"grpc://127.0.0.1:{grpc_port}" if args.grpc else f"http://127.0.0.1:{port}"
     out = os.path.join(tempfile.mkdtemp(), "bench.json")
     runs = []
     try:
-        for _ in range(300):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
-                break
-            except OSError:
-                if srv.poll() is not None:
-                    raise SystemExit(f"the server exited with {srv.returncode}; its log: {log.name}")
-                time.sleep(1)
+        spc.wait_ready(srv, port)
         workers = ray_workers(srv.pid)
         print("Ray workers:", workers, "nice now:", {p: spc.thread_nice(p) for p in workers}, flush=True)
         for n in streams:
@@ -170,14 +156,7 @@ def main() -> int:
                     runs.append(res)
                     print(json.dumps(res), flush=True)
     finally:
-        import psutil
-
-        tree = psutil.Process(srv.pid).children(recursive=True)
-        os.killpg(srv.pid, 15)
-        srv.wait(120)
-        _, alive = psutil.wait_procs(tree, timeout=60)
-        for p in alive:
-            p.kill()
+        spc.stop_tree(srv)
     summary = {}
     for n in streams:
         base = statistics.mean(r["output_tokens_per_s"] for r in runs if r["streams"] == n and r["variant"] == variants[0])

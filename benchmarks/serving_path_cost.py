@@ -233,6 +233,14 @@ SERVE_ENV = dict(os.environ, RAY_AUTH_MODE="disabled", HF_HUB_OFFLINE="1")
 
 
 def run_serve(model, threads=None, grpc: bool = False) -> dict:
+    srv, port, grpc_port = start_folio(model, threads)
+    target = f"grpc://127.0.0.1:{grpc_port}" if grpc else f"http://127.0.0.1:{port}"
+    return _drive_server(srv, port, target)
+
+
+def start_folio(model: str, threads: int | None = None) -> tuple[subprocess.Popen, int, int]:
+    """`folio serve` with one worker and this benchmark's KV budget, in a session of its own:
+    (process, HTTP port, gRPC port)."""
     port, grpc_port = free_port(), free_port()
     log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
     srv = subprocess.Popen([sys.executable, "-m", "folio.deploy.cli", "serve", "--model", model, "--num-workers", "1",
@@ -241,21 +249,38 @@ def run_serve(model, threads=None, grpc: bool = False) -> dict:
                             "--namespace", f"cost{os.getpid()}", "--grace-period-s", "1"]
                            + (["--torch-threads", str(threads)] if threads else []),
                            env=SERVE_ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    target = f"grpc://127.0.0.1:{grpc_port}" if grpc else f"http://127.0.0.1:{port}"
-    return _drive_server(srv, port, target)
+    return srv, port, grpc_port
+
+
+def wait_ready(srv: subprocess.Popen, port: int, ready_s: float = 300) -> None:
+    for _ in range(int(ready_s)):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+            return
+        except OSError:
+            if srv.poll() is not None:
+                raise SystemExit(f"the server exited with {srv.returncode} before it was ready")
+            time.sleep(1)
+    raise SystemExit(f"the server was not ready in {ready_s:.0f} s")
+
+
+def stop_tree(srv: subprocess.Popen) -> None:
+    """The whole tree gone before the next run starts: Ray's workers outlive the driver by
+    seconds, and a cluster still stopping took half the next mode's cores."""
+    import psutil
+
+    tree = psutil.Process(srv.pid).children(recursive=True)
+    os.killpg(srv.pid, 15)
+    srv.wait(120)
+    _, alive = psutil.wait_procs(tree, timeout=60)
+    for p in alive:
+        p.kill()
 
 
 def _drive_server(srv: subprocess.Popen, port: int, target: str, ready_s: float = 300) -> dict:
     env = SERVE_ENV
     try:
-        for _ in range(int(ready_s)):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
-                break
-            except OSError:
-                if srv.poll() is not None:
-                    raise SystemExit(f"the server exited with {srv.returncode} before it was ready")
-                time.sleep(1)
+        wait_ready(srv, port, ready_s)
         out = os.path.join(tempfile.mkdtemp(), "bench.json")
         res = {}
         for n in STREAMS:
@@ -295,16 +320,7 @@ def _drive_server(srv: subprocess.Popen, port: int, target: str, ready_s: float 
                       "engine_thread_nice": nice}
         return res
     finally:
-        # the whole tree gone before the next mode starts: Ray's workers outlive the driver
-        # by seconds, and a cluster still stopping took half the next mode's cores
-        import psutil
-
-        tree = psutil.Process(srv.pid).children(recursive=True)
-        os.killpg(srv.pid, 15)
-        srv.wait(60)
-        _, alive = psutil.wait_procs(tree, timeout=60)
-        for p in alive:
-            p.kill()
+        stop_tree(srv)
 
 
 ROOT = os.path.dirname(HERE)
