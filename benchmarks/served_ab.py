@@ -36,6 +36,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import served_procs as procs  # noqa: E402
 import serving_path_cost as spc  # noqa: E402
 
 
@@ -118,7 +119,7 @@ def bench(target: str, streams: int, out: str, env: dict | None = None) -> dict:
            "--output-len", f"fixed:{spc.OUTPUT}", "--max-concurrency", str(streams),
            "--num-requests", str(4 * streams), "--quiet", "--out", out]
     c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    subprocess.run(cmd, env=dict(spc.SERVE_ENV, **(env or {})), check=True, capture_output=True)
+    subprocess.run(cmd, env=dict(procs.SERVE_ENV, **(env or {})), check=True, capture_output=True)
     c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     s = json.load(open(out))["runs"][0]["summary"]
     cpu = (c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime)
@@ -137,14 +138,14 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "results", "served_ab.json"))
     args = ap.parse_args()
     variants, streams = args.variants.split(","), [int(s) for s in args.streams.split(",")]
-    srv, port, grpc_port = spc.start_folio(args.model)
+    srv, port, grpc_port = procs.start_folio(args.model, spc.KV_BLOCKS)
     target = f"grpc://127.0.0.1:{grpc_port}" if args.grpc else f"http://127.0.0.1:{port}"
     out = os.path.join(tempfile.mkdtemp(), "bench.json")
     runs = []
     try:
-        spc.wait_ready(srv, port)
+        procs.wait_ready(srv, port)
         workers = ray_workers(srv.pid)
-        print("Ray workers:", workers, "nice now:", {p: spc.thread_nice(p) for p in workers}, flush=True)
+        print("Ray workers:", workers, "nice now:", {p: procs.thread_nice(p) for p in workers}, flush=True)
         for n in streams:
             bench(target, n, out)  # warm-up
         for r in range(args.rounds):
@@ -152,11 +153,11 @@ def main() -> int:
                 env = apply(v, workers)
                 for n in streams:
                     res = {"round": r, "variant": v, "streams": n, **bench(target, n, out, env),
-                           "engine_thread_nice": spc.thread_nice(next(p for p, m in workers.items() if "EngineWorker" in m))}
+                           "engine_thread_nice": procs.thread_nice(next(p for p, m in workers.items() if "EngineWorker" in m))}
                     runs.append(res)
                     print(json.dumps(res), flush=True)
     finally:
-        spc.stop_tree(srv)
+        procs.stop_tree(srv)
     summary = {}
     for n in streams:
         base = statistics.mean(r["output_tokens_per_s"] for r in runs if r["streams"] == n and r["variant"] == variants[0])
