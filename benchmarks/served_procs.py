@@ -7,18 +7,13 @@ counters). Used by serving_path_cost.py, cpu_contention.py (through it) and serv
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from serve_local import free_port  # one copy: the main job's
 
 
 def engine_counters(port: int) -> dict:
