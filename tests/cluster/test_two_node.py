@@ -62,7 +62,7 @@ FRONTEND_RESOURCES = {"folio-frontend": 1000}  # what the chart's head advertise
 HEAD_TAG, NODE2_TAG = "two-node-head", "two-node-node2"  # custom resources: pin a GPU hold to a node
 # test 1: KV for 384 tokens per worker (blocks of 16 KiB with the tiny Llama's 1 KiB per token),
 # so that three long requests on one worker must swap and the coordinator moves them
-ENGINE = dict(block_size=16, num_kv_blocks=24, max_model_len=256, preemption_mode="swap")
+ENGINE = dict(block_size=16, num_kv_blocks=24, max_model_len=384, preemption_mode="swap")
 PLASMA_MIN_BYTES = 100 * 1024  # Ray inlines smaller objects in the call; larger ones go through plasma
 
 
@@ -322,12 +322,15 @@ def folio_serve(cluster, model: str, ns: str):
 
 
 def migrate_across_nodes(ns: str, redis_url: str, nodes: dict[str, str], model: str) -> None:
-    """Three requests pinned to w0 need ~1.7x its KV. All are admitted at once (one-block
+    """Three requests pinned to w0 need ~2.5x its KV. All are admitted at once (one-block
     prompts: none waits, so every move carries KV); when the blocks run out, w0 swaps one
-    out (~8 blocks, 128 KiB: past Ray's inline limit) and the coordinator moves it to w1 on
-    the other node through the object store. Every stream stays exact."""
+    out (8 blocks, 128 KiB: past Ray's inline limit), later a second (12 blocks), and the
+    coordinator moves them to w1 on the other node through the object store. Every stream
+    stays exact. The window for a move, from the first swap-out until w0 has room to swap
+    back in, is ~190 steps (the two left grow from 8 to 12 blocks, then one alone from 12 to
+    20): with 200 tokens per request it was ~80 steps, ~0.4 s, and one run in three missed."""
     src, dst = "w0", "w1"
-    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
     prompts = [[(7 * i + j) % 1000 + 3 for j in range(10 + i)] for i in range(3)]
     want = [o.token_ids for o in LLM(model, **ENGINE).generate(prompts, params)]
     before, plasma_before = worker_stats(ns), plasma_created_bytes(nodes[dst])
