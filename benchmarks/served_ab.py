@@ -15,8 +15,9 @@ A variant is one of:
   pinned one per CPU in the order they started (as vLLM's VLLM_CPU_OMP_THREADS_BIND pins its
   team), or given every CPU back;
 - client:NAME=VALUE: the load client (`folio bench`) run with NAME=VALUE in its environment;
-- default: nothing changed.
-Each round runs the variants in order and then in reverse (A B B A). A run is `folio bench` at
+- default: Ray's own settings (every thread's nice as it was when the server came up, unpinned);
+- several joined by '+' (nice=0+pin): applied in that order.
+Every variant starts from the default, so none inherits the one before it. Each round runs the variants in order and then in reverse (A B B A). A run is `folio bench` at
 `streams` concurrent streams of 50 -> 100 tokens (4 requests a stream); its CPU time (user +
 system) is recorded per 1,000 output tokens. Results: benchmarks/results/served_ab.json.
 """
@@ -95,8 +96,38 @@ def pin(workers: dict[int, str], on: bool) -> list:
     return placed
 
 
-def apply(variant: str, workers: dict[int, str]) -> dict:
-    """Set a variant up; the load client's extra environment."""
+def thread_nices(pids) -> dict[int, int]:
+    """tid -> nice of every thread of these processes, now."""
+    out = {}
+    for pid in pids:
+        for tid in os.listdir(f"/proc/{pid}/task") if os.path.exists(f"/proc/{pid}/task") else []:
+            try:
+                out[int(tid)] = os.getpriority(os.PRIO_PROCESS, int(tid))
+            except OSError:
+                continue
+    return out
+
+
+def restore(workers: dict[int, str], nices: dict[int, int]) -> None:
+    """Back to the default: each thread's nice as recorded at start, the step threads unpinned."""
+    for tid, nice in nices.items():
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except OSError:  # a thread that ended meanwhile
+            continue
+    pin(workers, False)
+
+
+def apply(variant: str, workers: dict[int, str], nices: dict[int, int]) -> dict:
+    """Set a variant up from the default; the load client's extra environment."""
+    restore(workers, nices)
+    env: dict = {}
+    for part in variant.split("+"):
+        env.update(apply_one(part, workers))
+    return env
+
+
+def apply_one(variant: str, workers: dict[int, str]) -> dict:
     kind, _, value = variant.partition("=")
     if variant in ("pin", "unpin"):
         print(variant, pin(workers, variant == "pin"), flush=True)
@@ -145,12 +176,13 @@ def main() -> int:
     try:
         procs.wait_ready(srv, port)
         workers = ray_workers(srv.pid)
+        nices = thread_nices(workers)
         print("Ray workers:", workers, "nice now:", {p: procs.thread_nice(p) for p in workers}, flush=True)
         for n in streams:
             bench(target, n, out)  # warm-up
         for r in range(args.rounds):
             for v in variants + variants[::-1]:
-                env = apply(v, workers)
+                env = apply(v, workers, nices)
                 for n in streams:
                     res = {"round": r, "variant": v, "streams": n, **bench(target, n, out, env),
                            "engine_thread_nice": procs.thread_nice(next(p for p, m in workers.items() if "EngineWorker" in m))}
