@@ -15,6 +15,9 @@ A variant is one of:
   pinned one per CPU in the order they started (as vLLM's VLLM_CPU_OMP_THREADS_BIND pins its
   team), or given every CPU back;
 - client:NAME=VALUE: the load client (`folio bench`) run with NAME=VALUE in its environment;
+- server:NAME=VALUE[;NAME=VALUE]: a second `folio serve`, started beside the first with these in
+  its environment (settings read once at start, such as GOMP_SPINCOUNT) and idle while the
+  other is measured; both come up in the same minutes and stay up, so drift hits both;
 - default: Ray's own settings (every thread's nice as it was when the server came up, unpinned);
 - several joined by '+' (nice=0+pin): applied in that order.
 Every variant starts from the default, so none inherits the one before it. Each round runs the variants in order and then in reverse (A B B A). A run is `folio bench` at
@@ -169,27 +172,35 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "results", "served_ab.json"))
     args = ap.parse_args()
     variants, streams = args.variants.split(","), [int(s) for s in args.streams.split(",")]
-    srv, port, grpc_port = procs.start_folio(args.model, spc.KV_BLOCKS)
-    target = f"grpc://127.0.0.1:{grpc_port}" if args.grpc else f"http://127.0.0.1:{port}"
+    # one server for every variant but the server: ones, each of which has its own
+    envs = {"": {}} | {v: dict(kv.split("=", 1) for kv in v[len("server:"):].split(";"))
+                       for v in variants if v.startswith("server:")}
+    servers = {key: procs.start_folio(args.model, spc.KV_BLOCKS, env=env) for key, env in envs.items()}
     out = os.path.join(tempfile.mkdtemp(), "bench.json")
     runs = []
     try:
-        procs.wait_ready(srv, port)
-        workers = ray_workers(srv.pid)
-        nices = thread_nices(workers)
-        print("Ray workers:", workers, "nice now:", {p: procs.thread_nice(p) for p in workers}, flush=True)
-        for n in streams:
-            bench(target, n, out)  # warm-up
+        state = {}
+        for key, (srv, port, grpc_port) in servers.items():
+            procs.wait_ready(srv, port)
+            workers = ray_workers(srv.pid)
+            target = f"grpc://127.0.0.1:{grpc_port}" if args.grpc else f"http://127.0.0.1:{port}"
+            state[key] = (target, workers, thread_nices(workers))
+            print(key or "default server", "Ray workers:", workers, "nice now:",
+                  {p: procs.thread_nice(p) for p in workers}, flush=True)
+            for n in streams:
+                bench(target, n, out)  # warm-up
         for r in range(args.rounds):
             for v in variants + variants[::-1]:
-                env = apply(v, workers, nices)
+                target, workers, nices = state[v if v in state else ""]
+                env = {} if v.startswith("server:") else apply(v, workers, nices)
                 for n in streams:
                     res = {"round": r, "variant": v, "streams": n, **bench(target, n, out, env),
                            "engine_thread_nice": procs.thread_nice(next(p for p, m in workers.items() if "EngineWorker" in m))}
                     runs.append(res)
                     print(json.dumps(res), flush=True)
     finally:
-        procs.stop_tree(srv)
+        for srv, _, _ in servers.values():
+            procs.stop_tree(srv)
     summary = {}
     for n in streams:
         base = statistics.mean(r["output_tokens_per_s"] for r in runs if r["streams"] == n and r["variant"] == variants[0])

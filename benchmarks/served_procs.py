@@ -95,17 +95,19 @@ def thread_nice(pid: int | None) -> list[int]:
 SERVE_ENV = dict(os.environ, RAY_AUTH_MODE="disabled", HF_HUB_OFFLINE="1")
 
 
-def start_folio(model: str, kv_blocks: int, threads: int | None = None) -> tuple[subprocess.Popen, int, int]:
+def start_folio(model: str, kv_blocks: int, threads: int | None = None,
+                env: dict | None = None) -> tuple[subprocess.Popen, int, int]:
     """`folio serve` with one worker and `kv_blocks` blocks of 16 tokens, in a session of its
-    own, not waited for: (process, HTTP port, gRPC port)."""
+    own, not waited for: (process, HTTP port, gRPC port). `env`: more environment for it (and
+    so for its engine worker)."""
     port, grpc_port = free_port(), free_port()
     log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
     srv = subprocess.Popen([sys.executable, "-m", "folio.deploy.cli", "serve", "--model", model, "--num-workers", "1",
                             "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", str(grpc_port), "--block-size", "16",
                             "--num-kv-blocks", str(kv_blocks), "--max-model-len", "1024", "--max-num-requests", "1024",
-                            "--namespace", f"cost{os.getpid()}", "--grace-period-s", "1"]
+                            "--namespace", f"cost{os.getpid()}p{port}", "--grace-period-s", "1"]
                            + (["--torch-threads", str(threads)] if threads else []),
-                           env=SERVE_ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                           env=dict(SERVE_ENV, **(env or {})), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return srv, port, grpc_port
 
 
