@@ -18,7 +18,8 @@ vLLM, folio in turn (ABBA), and drift on this shared machine hits both alike.
 
 Each point is one `folio bench` run over HTTP streaming /v1/completions. Results:
 benchmarks/results/vs_peers_serving.json (a summary per point and the goodput ratio)
-and the harness's own JSON per server and workload under benchmarks/results/vs_peers_serving/.
+and the harness's own JSON per server and workload in the folder named after --out
+(benchmarks/results/vs_peers_serving/ by default).
 """
 
 from __future__ import annotations
@@ -150,7 +151,9 @@ def main() -> int:
     if not os.path.exists(VLLM_PY):
         raise SystemExit("no vLLM venv: run benchmarks/vs_peers_offline.py --setup-vllm first")
     rates = [float(r) for r in args.rates.split(",")]
-    raw_dir = os.path.join(os.path.dirname(args.out), "vs_peers_serving")
+    # the harness's JSON beside --out, in a folder named after it (vs_peers_serving.json ->
+    # vs_peers_serving/), so a dated run does not overwrite another run's files
+    raw_dir = os.path.splitext(args.out)[0]
     os.makedirs(raw_dir, exist_ok=True)
     logs = tempfile.mkdtemp(prefix="folio-vs-serving-")
     ports = {"folio": free_port(), "vllm": free_port()}
