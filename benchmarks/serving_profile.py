@@ -5,10 +5,15 @@ cores) and, inside the worker and the frontend replica, per component (py-spy sa
 
 `folio serve --num-workers 1` is driven by `folio bench` (random 50 -> 100 tokens, greedy,
 --streams concurrent requests, HTTP or gRPC) for --seconds; meanwhile psutil reads every
-process's CPU time (the serve tree and the load client) and `py-spy record --idle` samples
-the worker and the replica. Each sample is put in the first component whose pattern
-matches a frame of its stack (COMPONENTS, innermost frames first), so a share is "of
-that process's samples". Results: benchmarks/results/serving_profile.json.
+process's CPU time (the serve tree, the load client and the two py-spy samplers) and `py-spy
+record` samples the Python threads of the worker and the replica that are running or
+runnable (py-spy leaves out threads that wait; with `--idle` a thread parked in C, such as
+Ray's main thread in its core worker loop, was counted as busy). Each sample is put in the
+first component whose pattern matches a frame of its stack (COMPONENTS, innermost frames
+first). A sample says where a thread was, not that it ran (under contention a runnable
+thread waits for a core), so each thread's CPU is read from /proc over the window and split
+over components by that thread's samples; threads with no samples (the OpenMP team, Ray's,
+gRPC's C++ threads) are listed by their OS name. Results: benchmarks/results/serving_profile.json.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import re
 import os
 import subprocess
 import sys
@@ -47,9 +53,18 @@ COMPONENTS = [
     ("asyncio event loop", ["asyncio/", "uvloop"]),
     ("threads waiting / idle", ["threading.py", "queue.py", "selectors.py", "time.sleep", "wait ("]),
 ]
+RATE = 100  # py-spy samples per second (--rate)
+
+
+# a thread's own entry frames: a stack whose innermost frame is one of these is the thread in
+# C below its entry point (uvloop's loop and socket I/O, grpcio's poller, Ray's core worker)
+ENTRY_FRAMES = ("Thread.run (threading.py", "_run_user_code_event_loop", "Worker.main_loop (ray/", "_bootstrap")
 
 
 def classify(stack: list[str]) -> str:
+    if stack and any(e in stack[-1] for e in ENTRY_FRAMES):
+        name = re.sub(r"[-_]?\d+", "", stack[0].split(": ", 1)[-1])  # "thread (tid): Thread-1 (...)" -> its kind
+        return f"C code below the thread's entry: {name}"
     for frame in reversed(stack):  # innermost first
         for name, pats in COMPONENTS:
             if any(p in frame for p in pats):
@@ -57,28 +72,72 @@ def classify(stack: list[str]) -> str:
     return "other"
 
 
-def profile(pid: int, seconds: float, out: str) -> subprocess.Popen:
-    return subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "py-spy"), "record", "--pid", str(pid), "--duration", str(int(seconds)), "--rate", "100",
-                             "--format", "raw", "--idle", "--nonblocking", "--threads", "--output", out],
+def profile(pid: int, seconds: float, out: str, rate: int) -> subprocess.Popen:
+    if rate <= 0:  # no sampler: a process that waits out the window
+        return subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({seconds})"])
+    return subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "py-spy"), "record", "--pid", str(pid),
+                             "--duration", str(int(seconds)), "--rate", str(rate), "--format", "raw", "--nonblocking",
+                             "--threads", "--output", out],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def summarize(raw_path: str) -> dict:
-    counts: collections.Counter = collections.Counter()
-    total = 0
-    idle = 0
+def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """tid -> (OS thread name, CPU seconds so far) of every thread of the process."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir(f"/proc/{pid}/task") if os.path.exists(f"/proc/{pid}/task") else []:
+        try:
+            stat = open(f"/proc/{pid}/task/{tid}/stat").read()
+        except OSError:
+            continue
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        out[int(tid)] = (name, (int(rest[11]) + int(rest[12])) / tick)  # utime, stime
+    return out
+
+
+def summarize(raw_path: str, before: dict, after: dict, wall: float) -> dict:
+    """Where a process's CPU went, in cores: each thread's measured CPU (from /proc, over the
+    window) split over components by that thread's py-spy samples; threads py-spy never saw
+    running Python (the OpenMP team, Ray's and gRPC's C++ threads) by their OS name."""
+    by_thread: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    names: dict[int, str] = {}
     with open(raw_path) as f:
         for line in f:
             stack, _, n = line.rstrip("\n").rpartition(" ")
             frames = stack.split(";")
-            n = int(n)
-            total += n
-            comp = classify(frames)
-            counts[comp] += n
-            if comp == "threads waiting / idle":
-                idle += n
-    return {"samples": total, "busy_share": round(1 - idle / total, 3) if total else None,
-            "components": {k: round(v / total, 3) for k, v in counts.most_common()}}
+            head = frames[0]  # "thread (tid): name"
+            try:
+                tid = int(head[head.index("(") + 1:head.index(")")])
+            except ValueError:
+                continue
+            names[tid] = head.split(": ", 1)[-1]
+            by_thread[tid][classify(frames)] += int(n)
+    cores = {tid: (after[tid][1] - before.get(tid, (None, 0.0))[1]) / wall for tid in after}
+    comps: collections.Counter = collections.Counter()
+    native: collections.Counter = collections.Counter()
+    python_threads: dict[str, float] = {}
+    for tid, c in cores.items():
+        samples = by_thread.get(tid)
+        if samples:
+            total = sum(samples.values())
+            for comp, n in samples.items():
+                comps[comp] += c * n / total
+            python_threads[f"{names[tid]} [{tid}]"] = round(c, 3)
+        else:
+            native[after[tid][0]] += c
+    return {"process_cores": round(sum(cores.values()), 3),
+            "components_cores": {k: round(v, 3) for k, v in comps.most_common() if v >= 0.0005},
+            "python_threads_cores": python_threads,
+            "native_threads_cores (by OS name)": {k: round(v, 3) for k, v in native.most_common() if v >= 0.0005}}
+
+
+def generated_tokens(port: int) -> float:
+    """The cluster's output tokens so far, from `folio serve`'s /metrics (its load figures)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("folio_generation_tokens_total"))
 
 
 def find(tree: list[psutil.Process], marker: str) -> psutil.Process | None:
@@ -105,6 +164,8 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--api", choices=["http", "grpc"], default="http")
     ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--rate", type=int, default=RATE, help="py-spy samples per second; 0: no py-spy (the CPU "
+                    "shares and tok/s without the samplers' own perturbation)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "serving_profile.json"))
     args = ap.parse_args()
     server, http, grpc_port = start_server(args.model, 1, "--num-kv-blocks", "1024", "--max-model-len", "1024",
@@ -134,13 +195,20 @@ def main() -> int:
                 continue
             procs[f"{name} [{p.pid}]" if name.startswith("ray ") else name] = p
         before = {k: cpu(p) for k, p in procs.items()}
-        spies = {k: profile(p.pid, args.seconds, os.path.join(tmp, f"{k}.txt"))
+        tokens_before = generated_tokens(http)
+        threads_before = {k: thread_cpu(p.pid) for k, p in (("worker", worker), ("frontend replica", replica)) if p}
+        spies = {k: profile(p.pid, args.seconds, os.path.join(tmp, f"{k}.txt"), args.rate)
                  for k, p in (("worker", worker), ("frontend replica", replica)) if p is not None}
+        spy_procs = [psutil.Process(s.pid) for s in spies.values()]
+        spy_cpu = 0.0
         t0 = time.monotonic()
-        for s in spies.values():
-            s.wait()
+        while any(s.poll() is None for s in spies.values()):
+            spy_cpu = sum(cpu(p) for p in spy_procs)  # a sampler's last reading before it exits
+            time.sleep(0.2)
         wall = time.monotonic() - t0
         after = {k: cpu(p) for k, p in procs.items()}
+        tokens_after = generated_tokens(http)
+        threads_after = {k: thread_cpu(p.pid) for k, p in (("worker", worker), ("frontend replica", replica)) if p}
         if client.poll() is not None:
             raise SystemExit(f"the load client ended before the window did (exit {client.returncode}):\n"
                              + open(os.path.join(tmp, "client.log")).read()[-3000:])
@@ -153,10 +221,15 @@ def main() -> int:
     ray_other = round(sum(v for k, v in shares.items() if k.startswith("ray ")), 3)
     shares = {k: v for k, v in sorted(shares.items(), key=lambda kv: -kv[1]) if not k.startswith("ray ")}
     shares["other Ray processes (raylet, GCS, Serve controller, ...)"] = ray_other
+    shares["the py-spy samplers (this benchmark's own)"] = round(spy_cpu / wall / ncpu, 3)
+    shares["idle or elsewhere on the machine"] = round(1 - sum(shares.values()), 3)
     doc = {"benchmark": "serving_profile", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
            "command": " ".join(["python"] + sys.argv), "cores": ncpu, "streams": args.streams, "api": args.api,
-           "window_s": round(wall, 1), "cpu_share_of_machine": shares,
-           "py_spy": {k: summarize(os.path.join(tmp, f"{k}.txt")) for k in spies}}
+           "window_s": round(wall, 1), "output_tokens_per_s": round((tokens_after - tokens_before) / wall, 1),
+           "cpu_share_of_machine": shares,
+           "py_spy_rate": args.rate,
+           "cores_by_component": {k: summarize(os.path.join(tmp, f"{k}.txt"), threads_before[k], threads_after[k],
+                                               wall) for k in spies} if args.rate > 0 else None}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
