@@ -29,12 +29,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def serve_command(model: str, workers: int, http: int, grpc_port: int, *extra: str) -> list[str]:
+    """The `folio serve` command line on loopback ports (the benchmarks' one copy)."""
+    return [sys.executable, "-m", "folio.deploy.cli", "serve", "--model", model, "--num-workers", str(workers),
+            "--host", "127.0.0.1", "--http-port", str(http), "--grpc-port", str(grpc_port), *extra]
+
+
 def start_server(model: str, workers: int, *extra: str, ready_timeout_s: float = 300.0):
     """`folio serve` on free loopback ports; returns (process, http port, grpc port) once it is ready."""
     http, grpc_port = free_port(), free_port()
-    server = subprocess.Popen([sys.executable, "-m", "folio.deploy.cli", "serve", "--model", model,
-                               "--num-workers", str(workers), "--host", "127.0.0.1", "--http-port", str(http),
-                               "--grpc-port", str(grpc_port), *extra],
+    server = subprocess.Popen(serve_command(model, workers, http, grpc_port, *extra),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env=dict(os.environ, RAY_AUTH_MODE="disabled"))
     deadline = time.monotonic() + ready_timeout_s

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
 
-from serve_local import free_port  # one copy: the main job's
+from serve_local import free_port, serve_command  # one copy: the main job's
 
 
 def engine_counters(port: int) -> dict:
@@ -102,11 +101,10 @@ def start_folio(model: str, kv_blocks: int, threads: int | None = None,
     so for its engine worker)."""
     port, grpc_port = free_port(), free_port()
     log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)
-    srv = subprocess.Popen([sys.executable, "-m", "folio.deploy.cli", "serve", "--model", model, "--num-workers", "1",
-                            "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", str(grpc_port), "--block-size", "16",
-                            "--num-kv-blocks", str(kv_blocks), "--max-model-len", "1024", "--max-num-requests", "1024",
-                            "--namespace", f"cost{os.getpid()}p{port}", "--grace-period-s", "1"]
-                           + (["--torch-threads", str(threads)] if threads else []),
+    srv = subprocess.Popen(serve_command(model, 1, port, grpc_port, "--block-size", "16", "--num-kv-blocks", str(kv_blocks),
+                                         "--max-model-len", "1024", "--max-num-requests", "1024",
+                                         "--namespace", f"cost{os.getpid()}p{port}", "--grace-period-s", "1",
+                                         *(["--torch-threads", str(threads)] if threads else [])),
                            env=dict(SERVE_ENV, **(env or {})), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return srv, port, grpc_port
 
