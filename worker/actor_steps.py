@@ -18,9 +18,6 @@ from folio.worker.errors import RequestFailedError, UnavailableError, WorkerFail
 from folio.worker.messages import CompletionDelta, FinishReason, GenerateRequest, StreamChunk
 
 log = logging.getLogger("folio.worker")
-# an experiment, off by default: the step thread waits up to this long after each step for the
-# event loop to send the step's frames (_wait_frames_out)
-FRAME_WAIT_S = float(os.environ.get("FOLIO_STEP_FRAME_WAIT_MS", "0")) / 1e3
 
 
 def _name_os_thread(name: bytes) -> None:
@@ -102,21 +99,6 @@ class StepLoop:
             except RuntimeError:  # the event loop is gone (an in-process worker outliving it)
                 pass
 
-    def _wait_frames_out(self) -> None:
-        """An experiment (FOLIO_STEP_FRAME_WAIT_MS): hold the next step until the event loop has
-        turned three times after this step's chunks reached it (the subscriber's task woken, its
-        frame written), at most FRAME_WAIT_S, so the frontend's work on the frame starts while
-        this thread schedules the next step rather than inside its forward's parallel regions."""
-        if self._loop is None:
-            return
-        done = threading.Event()
-        loop = self._loop
-        try:
-            loop.call_soon_threadsafe(loop.call_soon, loop.call_soon, loop.call_soon, done.set)
-        except RuntimeError:
-            return
-        done.wait(FRAME_WAIT_S)
-
     def _deliver(self, items: list) -> None:
         for rid, item in items:
             q = self._streams.get(rid)
@@ -159,8 +141,6 @@ class StepLoop:
                     else:
                         self._dispatch(out)
                 self._flush_out()  # one hop to the event loop for the whole step
-                if FRAME_WAIT_S > 0:
-                    self._wait_frames_out()
             else:
                 self._wake.wait(0.05)
                 self._wake.clear()
