@@ -1,0 +1,123 @@
+"""One prompt at a time, no other load: the time from add to the first token (a prefill and
+its sample) of Folio's engine and vLLM's offline `LLM`, by prompt length. What TTFT at a low
+request rate is made of once the serving path is taken out (issue #15's TTFT target).
+
+    python benchmarks/prefill_latency.py --model models/tiny-llama-8l [--lengths 64,256,512] [--rounds 2]
+
+Each engine runs in a fresh process of its own (vLLM from .venv-vllm, as vs_peers_offline.py
+sets it up, float32, its CPU threads bound as its docs say), folio vLLM vLLM folio per round;
+random token ids, prefix caching off, 20 prompts per length after 5 warm-ups, median.
+Folio's step is also profiled once by op (torch profiler) at the longest length.
+Results: benchmarks/results/prefill_latency.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+VLLM_PY = os.path.join(ROOT, ".venv-vllm", "bin", "python")
+VLLM_ENV = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", OMP_NUM_THREADS="2", VLLM_CPU_KVCACHE_SPACE="1",
+                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+PROMPTS, WARM = 20, 5
+
+
+def run_engine(engine: str, model: str, lengths: list[int], profile: bool) -> dict:
+    """In this process (a child of main): ms from add to first token, per length."""
+    import random
+
+    random.seed(0)
+    if engine == "folio":
+        from folio.worker import LLM, SamplingParams
+
+        eng = LLM(model, block_size=16, num_kv_blocks=512, max_model_len=1024, enable_prefix_caching=False).engine
+        sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        count = iter(range(10**9))
+
+        def one(ids):
+            eng.add_request(f"r{next(count)}", ids, sp)
+            while eng.has_unfinished_requests():
+                eng.step()
+    else:
+        from vllm import LLM, SamplingParams
+
+        llm = LLM(model, dtype="float32", max_model_len=1024, enable_prefix_caching=False, block_size=32,
+                  num_gpu_blocks_override=8192 // 32, max_num_seqs=64, seed=0)
+        sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+
+        def one(ids):
+            llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)
+
+    def timed(n):
+        ids = [random.randrange(1000, 8000) for _ in range(n)]
+        t = time.perf_counter()
+        one(ids)
+        return 1e3 * (time.perf_counter() - t)
+    for _ in range(WARM):
+        timed(max(lengths))
+    doc = {"ms_p50": {str(n): round(statistics.median(timed(n) for _ in range(PROMPTS)), 2) for n in lengths}}
+    if profile and engine == "folio":
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile() as prof:
+            for _ in range(5):
+                timed(max(lengths))
+        ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        total = sum(e.self_cpu_time_total for e in ops)
+        doc["profile_at_longest"] = {e.key: {"share": round(e.self_cpu_time_total / total, 3),
+                                             "ms_per_prompt": round(e.self_cpu_time_total / 5e3, 2)}
+                                     for e in ops[:8]}
+    return doc
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--lengths", default="64,256,512")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "prefill_latency.json"))
+    ap.add_argument("--child", choices=["folio", "vllm"], help=argparse.SUPPRESS)
+    ap.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    model = os.path.abspath(args.model)
+    if args.child:
+        print("RESULT " + json.dumps(run_engine(args.child, model, lengths, args.profile)), flush=True)
+        return 0
+    runs = []
+    for r in range(args.rounds):
+        for engine in ("folio", "vllm", "vllm", "folio"):
+            python, env = (VLLM_PY, VLLM_ENV) if engine == "vllm" else (sys.executable, dict(os.environ, HF_HUB_OFFLINE="1"))
+            cmd = [python, os.path.abspath(__file__), "--model", model, "--lengths", args.lengths, "--child", engine]
+            if engine == "folio" and r == 0 and not any(x["engine"] == "folio" for x in runs):
+                cmd.append("--profile")
+            # vLLM from outside the checkout: the checkout's kernels/ shadows a package it imports
+            out = subprocess.run(cmd, env=env, cwd="/tmp", capture_output=True, text=True, check=True).stdout
+            doc = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+            runs.append({"round": r, "engine": engine, **doc})
+            print(engine, doc["ms_p50"], flush=True)
+    summary = {}
+    for n in lengths:
+        f = statistics.mean(x["ms_p50"][str(n)] for x in runs if x["engine"] == "folio")
+        v = statistics.mean(x["ms_p50"][str(n)] for x in runs if x["engine"] == "vllm")
+        summary[str(n)] = {"folio_ms": round(f, 1), "vllm_ms": round(v, 1), "folio_over_vllm": round(f / v, 3)}
+    doc = {"benchmark": "prefill_latency", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+           "command": " ".join(["python"] + sys.argv), "order": "folio vllm vllm folio per round, a process each",
+           "summary": summary, "folio_profile_at_longest": next(x for x in runs if "profile_at_longest" in x)["profile_at_longest"],
+           "runs": runs}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
