@@ -21,8 +21,8 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 import tempfile
