@@ -7,7 +7,8 @@ request rate is made of once the serving path is taken out (issue #15's TTFT tar
 Each engine runs in a fresh process of its own (vLLM from .venv-vllm, as vs_peers_offline.py
 sets it up, float32, its CPU threads bound as its docs say), folio vLLM vLLM folio per round;
 random token ids, prefix caching off, 20 prompts per length after 5 warm-ups, median.
-Folio's step is also profiled once by op (torch profiler) at the longest length.
+Each engine's first run also profiles 5 prompts of the longest length by op (the torch
+profiler; vLLM's through its own profiler_config), ms per prompt.
 Results: benchmarks/results/prefill_latency.json.
 """
 
@@ -46,10 +47,14 @@ def run_engine(engine: str, model: str, lengths: list[int], profile: bool) -> di
             while eng.has_unfinished_requests():
                 eng.step()
     else:
+        import tempfile
+
         from vllm import LLM, SamplingParams
 
+        trace_dir = tempfile.mkdtemp(prefix="folio-vllm-prof-")
         llm = LLM(model, dtype="float32", max_model_len=1024, enable_prefix_caching=False, block_size=32,
-                  num_gpu_blocks_override=8192 // 32, max_num_seqs=64, seed=0)
+                  num_gpu_blocks_override=8192 // 32, max_num_seqs=64, seed=0,
+                  profiler_config={"profiler": "torch", "torch_profiler_dir": trace_dir} if profile else None)
         sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
 
         def one(ids):
@@ -70,11 +75,39 @@ def run_engine(engine: str, model: str, lengths: list[int], profile: bool) -> di
             for _ in range(5):
                 timed(max(lengths))
         ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
-        total = sum(e.self_cpu_time_total for e in ops)
-        doc["profile_at_longest"] = {e.key: {"share": round(e.self_cpu_time_total / total, 3),
-                                             "ms_per_prompt": round(e.self_cpu_time_total / 5e3, 2)}
-                                     for e in ops[:8]}
+        doc["profile_at_longest"] = {e.key: {"ms_per_prompt": round(e.self_cpu_time_total / 5e3, 2)} for e in ops[:8]}
+    elif profile:  # vLLM's engine core profiles itself (torch profiler) and writes its table
+        llm.start_profile()
+        for _ in range(5):
+            timed(max(lengths))
+        llm.stop_profile()
+        doc["profile_at_longest"] = vllm_ops(trace_dir, 5)
     return doc
+
+
+def vllm_ops(trace_dir: str, prompts: int, top: int = 8) -> dict:
+    """The largest ops of the table vLLM's profiler writes (rank0.profiler_out.txt), per prompt;
+    Python frames and the engine core's waits left out."""
+    path = os.path.join(trace_dir, "rank0.profiler_out.txt")
+    for _ in range(60):  # written by the engine core after stop_profile returns
+        if os.path.exists(path):
+            break
+        time.sleep(1)
+    units = {"us": 1e-3, "ms": 1.0, "s": 1e3}
+    out = {}
+    for line in open(path):
+        cols = [c for c in line.rstrip("\n").split("  ") if c.strip()]
+        name = cols[0].strip() if cols else ""
+        if len(cols) < 7 or ".py" in name or name.startswith(("/", "vllm/", "<built-in method")):
+            continue
+        self_cpu = cols[2].strip()
+        unit = next((u for u in ("us", "ms", "s") if self_cpu.endswith(u)), None)
+        if unit is None:
+            continue
+        out[name] = {"ms_per_prompt": round(float(self_cpu[:-len(unit)]) * units[unit] / prompts, 2)}
+        if len(out) == top:
+            break
+    return out
 
 
 def main() -> int:
@@ -96,7 +129,7 @@ def main() -> int:
         for engine in ("folio", "vllm", "vllm", "folio"):
             python, env = (VLLM_PY, VLLM_ENV) if engine == "vllm" else (sys.executable, dict(os.environ, HF_HUB_OFFLINE="1"))
             cmd = [python, os.path.abspath(__file__), "--model", model, "--lengths", args.lengths, "--child", engine]
-            if engine == "folio" and r == 0 and not any(x["engine"] == "folio" for x in runs):
+            if r == 0 and not any(x["engine"] == engine for x in runs):  # each engine's first run
                 cmd.append("--profile")
             # vLLM from outside the checkout: the checkout's kernels/ shadows a package it imports
             out = subprocess.run(cmd, env=env, cwd="/tmp", capture_output=True, text=True, check=True).stdout
@@ -110,7 +143,10 @@ def main() -> int:
         summary[str(n)] = {"folio_ms": round(f, 1), "vllm_ms": round(v, 1), "folio_over_vllm": round(f / v, 3)}
     doc = {"benchmark": "prefill_latency", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
            "command": " ".join(["python"] + sys.argv), "order": "folio vllm vllm folio per round, a process each",
-           "summary": summary, "folio_profile_at_longest": next(x for x in runs if "profile_at_longest" in x)["profile_at_longest"],
+           "summary": summary,
+           "profile_at_longest_ms_per_prompt": {e: next(x["profile_at_longest"] for x in runs
+                                                        if x["engine"] == e and "profile_at_longest" in x)
+                                                for e in ("folio", "vllm")},
            "runs": runs}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
