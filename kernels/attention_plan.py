@@ -4,7 +4,8 @@ model runner builds it once per step (ops.plan_attention) and each layer's atten
 
 The torch path (reference.py) uses all of it: decode sequences grouped into chunks of
 at most _DECODE_CHUNK_BYTES of K+V, prefills with their causal masks. The C++ CPU path
-(cpu_attention.py) takes the prefills and the decode sequences as rows (in_place=True).
+(cpu_attention.py) takes the decode sequences and the prefills as rows (in_place=True): no
+chunks, no masks.
 The Triton path (backend.py) only reads max_query_len.
 """
 
@@ -61,6 +62,16 @@ class DecodeRows:
 
 
 @dataclass
+class PrefillRows:
+    """The prefill sequences as the C++ kernel reads them (cpu_attention.py): in place."""
+
+    block_tables: torch.Tensor  # [n, max_blocks] int32, contiguous
+    seq_lens: torch.Tensor  # [n] int64: context including the new tokens
+    q_starts: torch.Tensor  # [n] int64: first row of q
+    q_lens: torch.Tensor  # [n] int64: new tokens (> 1)
+
+
+@dataclass
 class AttentionPlan:
     """What paged_attention derives from the batch layout alone; the same for every layer,
     so the model runner builds it once per step."""
@@ -71,16 +82,19 @@ class AttentionPlan:
     decode_rows: DecodeRows | None = None  # instead of `decode` (plan_attention(..., in_place=True))
     prefill_batches: list[PrefillBatch] = field(default_factory=list)  # the rest of the prefills
     max_seq_len: int | None = None  # longest context of the batch (the Triton kernel's split)
+    prefill_rows: PrefillRows | None = None  # instead of `prefill` and `prefill_batches` (in_place=True)
 
     @property
     def prefills(self) -> bool:
-        return bool(self.prefill or self.prefill_batches)
+        return bool(self.prefill or self.prefill_batches
+                    or (self.prefill_rows is not None and self.prefill_rows.q_lens.numel()))
 
 
 def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                    block_size: int, kv_bytes_per_token: int, in_place: bool = False) -> AttentionPlan:
     """kv_bytes_per_token: K + V bytes of one token in one layer (2 * kv_heads * head_dim * itemsize).
-    in_place: the decode sequences as DecodeRows (for a kernel that reads the cache in place)."""
+    in_place: the decode sequences as DecodeRows and the prefills as PrefillRows (for kernels
+    that read the cache in place)."""
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
     tables = block_tables.to(torch.long)
@@ -93,6 +107,14 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_sta
                           block_tables.index_select(0, idx).to(torch.int32).contiguous(),
                           seq_lens.index_select(0, idx).to(torch.long).contiguous())
         decode_idx = []
+        pre = [s for s in range(len(lens)) if qsl[s + 1] - qsl[s] > 1]
+        idx = torch.tensor(pre, dtype=torch.long)
+        prefill_rows = PrefillRows(block_tables.index_select(0, idx).to(torch.int32).contiguous(),
+                                   torch.tensor([lens[s] for s in pre], dtype=torch.long),
+                                   torch.tensor([qsl[s] for s in pre], dtype=torch.long),
+                                   torch.tensor([qsl[s + 1] - qsl[s] for s in pre], dtype=torch.long))
+        return AttentionPlan([], [], max(b - a for a, b in zip(qsl, qsl[1:])) if lens else 0, rows,
+                             prefill_rows=prefill_rows)
     for members, nb in _decode_chunks([lens[s] for s in decode_idx], block_size, kv_bytes_per_token):
         seqs = [decode_idx[m] for m in members]
         ctx = torch.tensor([lens[s] for s in seqs])

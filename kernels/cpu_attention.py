@@ -1,9 +1,12 @@
-"""The CPU's paged attention for decode rows, in C++ (cpu_attention.cpp): each sequence's new
-query reads its context in place through its block table. The torch reference gathers every
-context into a padded buffer and runs SDPA over it, which writes and rereads each K/V byte:
-SmolLM2-135M's decode at batch 64 x 160 tokens spent ~2.2-3.4 ms per layer there, ~0.85 here
-(benchmarks/cpu_attention.py). Prefill rows (more than one new token) still go to the
-reference's SDPA, which is compute-bound and already fast.
+"""The CPU's paged attention in C++, reading each context in place through its block table.
+Decode rows (cpu_attention.cpp): the torch reference gathers every context into a padded
+buffer and runs SDPA over it, which writes and rereads each K/V byte: SmolLM2-135M's decode
+at batch 64 x 160 tokens spent ~2.2-3.4 ms per layer there, ~0.85 here
+(benchmarks/cpu_attention.py). Prefill rows (cpu_prefill.cpp, more than one new token):
+flash-style tiles with GQA folded into the rows and causal tasks balanced across the threads;
+torch's CPU flash attention ran at ~75 GFLOP/s on a 512-token prompt of the tiny Llama
+(benchmarks/prefill_latency.py's profile), about half of vLLM's C++ kernel. Head dims past
+256 go to the reference.
 
 The library is compiled on first use with the system's C++ compiler ($CXX, else c++) against
 the installed torch, for this CPU (-march=native), into a cache keyed by the source, the
@@ -30,8 +33,10 @@ from folio.kernels.errors import KernelInputError
 
 log = logging.getLogger("folio.kernels")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_attention.cpp")
-# the library's sources: the attention, and the small fused ops of cpu_ops.py (one .so, one load)
-SOURCES = (SOURCE, os.path.join(os.path.dirname(SOURCE), "cpu_ops.cpp"))
+# the library's sources: the attention (decode, prefill), and the small fused ops of cpu_ops.py
+# (one .so, one load)
+SOURCES = (SOURCE, os.path.join(os.path.dirname(SOURCE), "cpu_prefill.cpp"),
+           os.path.join(os.path.dirname(SOURCE), "cpu_ops.cpp"))
 # -ffast-math when compiling only (it lets expf vectorize through glibc's libmvec): linked
 # with it, gcc adds crtfastmath.o, whose constructor turns on flush-to-zero for the whole
 # process when the library loads, and every torch op would lose subnormals.
@@ -39,6 +44,7 @@ COMPILE = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++
 LINK = ["-shared", "-fopenmp"]
 FLAGS = COMPILE + LINK
 DTYPES = (torch.float32, torch.bfloat16)
+MAX_PREFILL_HEAD_DIM = 256
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "loaded": True, or "error": why it is not
 
@@ -108,30 +114,35 @@ def load() -> str | None:
 
 def plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor, block_size: int,
          kv_bytes_per_token: int) -> AttentionPlan:
-    """The reference's plan for the prefill rows; the decode rows as one set for the kernel."""
+    """The decode rows and the prefill rows, each as one set for the kernels."""
     return plan_attention(block_tables, seq_lens, query_start_loc, block_size, kv_bytes_per_token, in_place=True)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, plan: AttentionPlan | None = None,
                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """reference.paged_attention's contract; decode rows through the C++ kernel."""
+    """reference.paged_attention's contract, through the C++ kernels."""
     if (q.dtype not in DTYPES or k_cache.dtype != q.dtype or q.device.type != "cpu"
             or ("loaded" not in _state and load() is not None)):
         return reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                          out=out)
-    if plan is None or plan.decode_rows is None:
+    if plan is None or plan.decode_rows is None or plan.prefill_rows is None:
         plan = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1], 0, in_place=True)
     out = torch.empty_like(q) if out is None else out
-    d = plan.decode_rows
-    if d.rows.numel():
-        try:
+    d, p = plan.decode_rows, plan.prefill_rows
+    try:  # their checks: the same class of error as the reference's
+        if d.rows.numel():
             torch.ops.folio_cpu.decode_attention(q, k_cache, v_cache, d.block_tables, d.seq_lens, d.rows, out, scale)
-        except RuntimeError as e:  # its checks: the same class of error as the reference's
-            raise KernelInputError(str(e).split("\n")[0]) from None
-    if plan.prefills:
-        reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                                  plan=AttentionPlan([], plan.prefill, plan.max_query_len,
-                                                     prefill_batches=plan.prefill_batches), out=out)
+        if p.q_lens.numel():
+            if q.shape[2] <= MAX_PREFILL_HEAD_DIM:
+                torch.ops.folio_cpu.prefill_attention(q, k_cache, v_cache, p.block_tables, p.seq_lens, p.q_starts,
+                                                      p.q_lens, out, scale)
+            else:
+                ref = plan_attention(block_tables, seq_lens, query_start_loc, k_cache.shape[1], 0)
+                reference.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                          plan=AttentionPlan([], ref.prefill, ref.max_query_len,
+                                                             prefill_batches=ref.prefill_batches), out=out)
+    except RuntimeError as e:
+        raise KernelInputError(str(e).split("\n")[0]) from None
     return out
 
 

@@ -1,7 +1,8 @@
 """The C++ CPU attention (kernels/cpu_attention.py) against float64 dense attention and the torch
-reference, on generated paged layouts: decode rows in place, prefills through the reference,
-block-major strided caches, GQA, bf16; bad tables refused with a clear error (never a read out
-of bounds); and the fallback to the reference when no compiler can build it."""
+reference, on generated paged layouts: decode rows and prefill rows in place (whole prompts,
+chunks after a cached context, prompts over many tiles of keys), block-major strided caches,
+GQA, head dims that are no multiple of 16, bf16; bad tables refused with a clear error (never a
+read out of bounds); and the fallback to the reference when no compiler can build it."""
 
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ def test_matches_dense_attention_and_the_reference(case, dtype, strided):
     scale = head_dim ** -0.5
     plan = cpu_attention.plan(tables, lens, qsl, block_size, 0)
     assert plan.decode == [] and plan.decode_rows.rows.numel() == sum(1 for x in q_lens if x == 1)
+    assert plan.prefill == [] and plan.prefill_batches == []
+    assert plan.prefill_rows.q_lens.tolist() == [x for x in q_lens if x > 1]
     out = cpu_attention.paged_attention(q, kc, vc, tables, lens, qsl, scale, plan=plan)
     ref = reference.paged_attention(q, kc, vc, tables, lens, qsl, scale)
     dense = dense_reference(q, ks, vs, q_lens, ctx, scale)
@@ -54,6 +57,43 @@ def test_matches_dense_attention_and_the_reference(case, dtype, strided):
     torch.testing.assert_close(out.double(), ref.double(), atol=tol, rtol=tol)
 
 
+@st.composite
+def long_prefills(draw):
+    """Prompts over several 64-key tiles and 32-position tasks: whole, or a chunk after a cached
+    part that ends anywhere in a tile."""
+    block_size = draw(st.sampled_from([1, 16, 32]))
+    kv_heads = draw(st.integers(1, 3))
+    gqa = draw(st.sampled_from([1, 2, 3, 5]))
+    head_dim = draw(st.sampled_from([16, 48, 64, 72, 128]))
+    n = draw(st.integers(1, 3))
+    ctx = draw(st.lists(st.integers(2, 300), min_size=n, max_size=n))
+    q_lens = [c if draw(st.booleans()) else draw(st.integers(2, c)) for c in ctx]
+    return block_size, kv_heads * gqa, kv_heads, head_dim, q_lens, ctx, draw(st.integers(0, 2**31))
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(long_prefills(), st.sampled_from([torch.float32, torch.bfloat16]))
+def test_long_prefills_match_dense_attention(case, dtype):
+    block_size, heads, kv_heads, head_dim, q_lens, ctx, seed = case
+    gen = torch.Generator().manual_seed(seed)
+    q, kc, vc, tables, lens, qsl, ks, vs = make_case(gen, q_lens, ctx, heads, kv_heads, head_dim, block_size, dtype)
+    kc, vc, _ = block_major(kc, vc)
+    scale = head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))  # every row must be written
+    cpu_attention.paged_attention(q, kc, vc, tables, lens, qsl, scale, out=out)
+    dense = dense_reference(q, ks, vs, q_lens, ctx, scale)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), dense, atol=tol, rtol=tol)
+
+
+def test_prefills_past_the_kernels_head_dim_go_to_the_reference():
+    gen = torch.Generator().manual_seed(5)
+    q, kc, vc, tables, lens, qsl, ks, vs = make_case(gen, [1, 6, 9], [12, 6, 20], 2, 1, 272, 8, torch.float32)
+    got = cpu_attention.paged_attention(q, kc, vc, tables, lens, qsl, 0.06)
+    torch.testing.assert_close(got.double(), dense_reference(q, ks, vs, [1, 6, 9], [12, 6, 20], 0.06),
+                               atol=2e-5, rtol=2e-5)
+
+
 def test_the_reference_replans_a_plan_made_for_the_kernel():
     gen = torch.Generator().manual_seed(1)
     q, kc, vc, tables, lens, qsl, ks, vs = make_case(gen, [1, 4, 1], [20, 9, 3], 4, 2, 16, 8, torch.float32)
@@ -61,6 +101,29 @@ def test_the_reference_replans_a_plan_made_for_the_kernel():
     got = reference.paged_attention(q, kc, vc, tables, lens, qsl, 0.25, plan=plan)
     torch.testing.assert_close(got.double(), dense_reference(q, ks, vs, [1, 4, 1], [20, 9, 3], 0.25),
                                atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("bad", ["block_out_of_range", "negative_block", "context_past_table", "rows_past_q",
+                                 "more_new_tokens_than_context", "no_new_token"])
+def test_bad_prefill_tables_are_refused_before_anything_is_read(bad):
+    gen = torch.Generator().manual_seed(3)
+    q, kc, vc, tables, lens, qsl, _, _ = make_case(gen, [5, 9], [20, 9], 4, 2, 16, 8, torch.float32)
+    plan = cpu_attention.plan(tables, lens, qsl, 8, 0)
+    p = plan.prefill_rows
+    if bad == "block_out_of_range":
+        p.block_tables[0, 2] = kc.shape[0] + 10**6
+    elif bad == "negative_block":
+        p.block_tables[1, 1] = -7
+    elif bad == "context_past_table":
+        p.seq_lens[0] = p.block_tables.shape[1] * 8 + 1
+    elif bad == "rows_past_q":
+        p.q_starts[1] = q.shape[0] - 3
+    elif bad == "more_new_tokens_than_context":
+        p.q_lens[1] = 10
+    else:
+        p.q_lens[0] = 0
+    with pytest.raises(KernelInputError, match="sequence [01]"):
+        cpu_attention.paged_attention(q, kc, vc, tables, lens, qsl, 0.25, plan=plan)
 
 
 @pytest.mark.parametrize("bad", ["block_out_of_range", "negative_block", "context_past_table", "row_past_q"])
