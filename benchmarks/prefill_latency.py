@@ -7,8 +7,9 @@ request rate is made of once the serving path is taken out (issue #15's TTFT tar
 Each engine runs in a fresh process of its own (vLLM from .venv-vllm, as vs_peers_offline.py
 sets it up, float32, its CPU threads bound as its docs say), folio vLLM vLLM folio per round;
 random token ids, prefix caching off, 20 prompts per length after 5 warm-ups, median.
-Each engine's first run also profiles 5 prompts of the longest length by op (the torch
-profiler; vLLM's through its own profiler_config), ms per prompt.
+Each engine's first run also profiles 5 prompts by op (the torch profiler; vLLM's through its
+own profiler_config), ms per prompt, at 512 tokens (else the longest length): vLLM's table never
+came at 1,000 tokens.
 Results: benchmarks/results/prefill_latency.json.
 """
 
@@ -67,21 +68,22 @@ def run_engine(engine: str, model: str, lengths: list[int], profile: bool) -> di
         return 1e3 * (time.perf_counter() - t)
     for _ in range(WARM):
         timed(max(lengths))
+    profile_len = 512 if 512 in lengths else max(lengths)
     doc = {"ms_p50": {str(n): round(statistics.median(timed(n) for _ in range(PROMPTS)), 2) for n in lengths}}
     if profile and engine == "folio":
         from torch.profiler import profile as torch_profile
 
         with torch_profile() as prof:
             for _ in range(5):
-                timed(max(lengths))
+                timed(profile_len)
         ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
-        doc["profile_at_longest"] = {e.key: {"ms_per_prompt": round(e.self_cpu_time_total / 5e3, 2)} for e in ops[:8]}
+        doc["profile"] = {e.key: {"ms_per_prompt": round(e.self_cpu_time_total / 5e3, 2)} for e in ops[:8]}
     elif profile:  # vLLM's engine core profiles itself (torch profiler) and writes its table
         llm.start_profile()
         for _ in range(5):
-            timed(max(lengths))
+            timed(profile_len)
         llm.stop_profile()
-        doc["profile_at_longest"] = vllm_ops(trace_dir, 5)
+        doc["profile"] = vllm_ops(trace_dir, 5)
     return doc
 
 
@@ -89,10 +91,12 @@ def vllm_ops(trace_dir: str, prompts: int, top: int = 8) -> dict:
     """The largest ops of the table vLLM's profiler writes (rank0.profiler_out.txt), per prompt;
     Python frames and the engine core's waits left out."""
     path = os.path.join(trace_dir, "rank0.profiler_out.txt")
-    for _ in range(60):  # written by the engine core after stop_profile returns
+    for _ in range(90):  # written by the engine core after stop_profile returns
         if os.path.exists(path):
             break
         time.sleep(1)
+    else:  # seen at 1,000 tokens: the table never came (the timings stand without it)
+        return {}
     units = {"us": 1e-3, "ms": 1.0, "s": 1e3}
     out = {}
     for line in open(path):
@@ -132,7 +136,11 @@ def main() -> int:
             if r == 0 and not any(x["engine"] == engine for x in runs):  # each engine's first run
                 cmd.append("--profile")
             # vLLM from outside the checkout: the checkout's kernels/ shadows a package it imports
-            out = subprocess.run(cmd, env=env, cwd="/tmp", capture_output=True, text=True, check=True).stdout
+            done = subprocess.run(cmd, env=env, cwd="/tmp", capture_output=True, text=True)
+            if done.returncode != 0:
+                sys.stderr.write(done.stderr[-6000:])
+                raise SystemExit(f"{engine} exited {done.returncode}")
+            out = done.stdout
             doc = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
             runs.append({"round": r, "engine": engine, **doc})
             print(engine, doc["ms_p50"], flush=True)
@@ -144,8 +152,9 @@ def main() -> int:
     doc = {"benchmark": "prefill_latency", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
            "command": " ".join(["python"] + sys.argv), "order": "folio vllm vllm folio per round, a process each",
            "summary": summary,
-           "profile_at_longest_ms_per_prompt": {e: next(x["profile_at_longest"] for x in runs
-                                                        if x["engine"] == e and "profile_at_longest" in x)
+           "profile_tokens": 512 if 512 in lengths else max(lengths),
+           "profile_ms_per_prompt": {e: next((x["profile"] for x in runs
+                                                         if x["engine"] == e and "profile" in x), {})
                                                 for e in ("folio", "vllm")},
            "runs": runs}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
