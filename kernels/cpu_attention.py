@@ -42,7 +42,10 @@ SOURCES = (SOURCE, os.path.join(os.path.dirname(SOURCE), "cpu_prefill.cpp"),
 # process when the library loads, and every torch op would lose subnormals.
 COMPILE = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17", "-c"]
 LINK = ["-shared", "-fopenmp"]
-FLAGS = COMPILE + LINK
+# cpu_ops.cpp: no FMA contraction, so that a rotation's x * cos + y * sin rounds three times,
+# as torch's chain of ops does (bit-identical float32 rope)
+PER_SOURCE = {"cpu_ops.cpp": ["-ffp-contract=off"]}
+FLAGS = COMPILE + LINK + [f for extra in PER_SOURCE.values() for f in extra]
 DTYPES = (torch.float32, torch.bfloat16)
 MAX_PREFILL_HEAD_DIM = 256
 _lock = threading.Lock()
@@ -80,8 +83,8 @@ def build(path: str) -> None:
     objs = [f"{tmp[:-3]}.{i}.o" for i in range(len(SOURCES))]
     cxx = os.environ.get("CXX", "c++")
     abi = int(torch.compiled_with_cxx11_abi())
-    steps = [[cxx, *COMPILE, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *[f"-I{p}" for p in include_paths()], source,
-              "-o", obj] for source, obj in zip(SOURCES, objs)]
+    steps = [[cxx, *COMPILE, *PER_SOURCE.get(os.path.basename(source), []), f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+              *[f"-I{p}" for p in include_paths()], source, "-o", obj] for source, obj in zip(SOURCES, objs)]
     steps.append([cxx, *LINK, *objs, "-o", tmp, *[f"-L{p}" for p in library_paths()], "-lc10", "-ltorch_cpu"])
     try:
         for cmd in steps:

@@ -5,15 +5,18 @@
 //
 //   argmax_rows(x [rows, n] f32 or bf16)    -> int64 [rows]: torch.argmax(x, -1) exactly (the
 //                                              first maximum; the first NaN when a row has one)
-//   rms_norm(x, w, eps, out)                 bfloat16 [T, n]: transformers' LlamaRMSNorm with
-//                                              its roundings (float32 statistics, the normalized
-//                                              row rounded to bf16, then w * it rounded)
-//   add_rms_norm(h, r, w, eps, out)          h += r (rounded to bf16, as torch's add), then
+//   rms_norm(x, w, eps, out)                 float32 or bfloat16 [T, n]: transformers'
+//                                              LlamaRMSNorm with its roundings (float32
+//                                              statistics, the normalized row rounded to the
+//                                              dtype, then w * it rounded)
+//   add_rms_norm(h, r, w, eps, out)          h += r (rounded, as torch's add), then
 //                                              out = rms_norm(h)
-//   silu_mul(gate_up [T, 2n], out [T, n])    out = silu(gate) * up, each rounded to bf16 as
+//   silu_mul(gate_up [T, 2n], out [T, n])    out = silu(gate) * up, each rounded as
 //                                              F.silu(gate) * up rounds
-//   rope_write_kv(qkv, cos, sin, ...)         q and k rotated (bit-identical to torch's bf16
-//                                              chain), k and v written to their cache slots
+//   rope_write_kv(qkv, cos, sin, ...)         q and k rotated (bit-identical to torch's chain),
+//                                              k and v written to their cache slots
+// The norms' sums of squares run in another order than torch's mean, and silu's exp is
+// glibc's, not Sleef's: those two differ from torch in the last bit now and then.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -104,145 +107,194 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
-void check_bf16_rows(const at::Tensor& t, const char* what, int64_t T, int64_t n) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.dim() == 2 && t.size(0) == T &&
-                  t.size(1) == n && t.stride(1) == 1, what, ": a CPU bfloat16 [", T, ", ", n, "] tensor, rows contiguous");
+// Storage types: uint16_t (bfloat16's bits) or float. st() stores a float32 result in the
+// type (rounded to bf16, or as it is); rnd() is that rounding kept as a float32.
+inline uint16_t st(float f, uint16_t) { return f2bf(f); }
+inline float st(float f, float) { return f; }
+inline float rnd(float f, uint16_t) { return bf2f(f2bf(f)); }
+inline float rnd(float f, float) { return f; }
+
+void check_rows(const at::Tensor& t, const char* what, int64_t T, int64_t n, at::ScalarType dt) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dt && t.dim() == 2 && t.size(0) == T && t.size(1) == n &&
+                  t.stride(1) == 1, what, ": a CPU ", dt, " [", T, ", ", n, "] tensor, rows contiguous");
 }
 
-// one row: out = w * bf16(x * rsqrt(mean(x^2) + eps)), both products rounded to bf16
-inline void norm_row(const uint16_t* x, const uint16_t* w, uint16_t* o, int64_t n, float eps) {
+at::ScalarType float_or_bf16(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, what,
+              ": float32 or bfloat16, not ", t.scalar_type());
+  return t.scalar_type();
+}
+
+// one row: out = w * rnd(x * rsqrt(mean(x^2) + eps)), each product rounded to the storage type
+template <typename E>
+inline void norm_row(const E* x, const E* w, E* o, int64_t n, float eps) {
   float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
   for (int64_t i = 0; i < n; ++i) {
-    const float f = bf2f(x[i]);
+    const float f = as_f(x[i]);
     ss += f * f;
   }
   // in double: -ffast-math would make a float 1/sqrt an approximation (rsqrt + a Newton step),
   // which turns an overflowed sum of squares (inf) into NaN where torch's rsqrt gives 0
   const float k = static_cast<float>(1.0 / std::sqrt(static_cast<double>(ss) / static_cast<double>(n) + eps));
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) o[i] = f2bf(bf2f(w[i]) * bf2f(f2bf(bf2f(x[i]) * k)));
+  for (int64_t i = 0; i < n; ++i) o[i] = st(as_f(w[i]) * rnd(as_f(x[i]) * k, E{}), E{});
 }
 
-void rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, const at::Tensor& out) {
-  const int64_t T = x.size(0), n = x.dim() == 2 ? x.size(1) : -1;
-  check_bf16_rows(x, "rms_norm x", T, n);
-  check_bf16_rows(out, "rms_norm out", T, n);
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 1 && w.size(0) == n && w.is_contiguous(),
-              "rms_norm w: bfloat16 [", n, "]");
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const int64_t xs = x.stride(0), os = out.stride(0);
+template <typename E>
+void rms_norm_of(const at::Tensor& x, const at::Tensor& w, double eps, const at::Tensor& out) {
+  const int64_t T = x.size(0), n = x.size(1), xs = x.stride(0), os = out.stride(0);
+  const E* xp = static_cast<const E*>(x.data_ptr());
+  const E* wp = static_cast<const E*>(w.data_ptr());
+  E* op = static_cast<E*>(out.data_ptr());
   at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) norm_row(xp + t * xs, wp, op + t * os, n, static_cast<float>(eps));
   });
 }
 
-void add_rms_norm(const at::Tensor& h, const at::Tensor& r, const at::Tensor& w, double eps, const at::Tensor& out) {
-  const int64_t T = h.size(0), n = h.dim() == 2 ? h.size(1) : -1;
-  check_bf16_rows(h, "add_rms_norm h", T, n);
-  check_bf16_rows(r, "add_rms_norm r", T, n);
-  check_bf16_rows(out, "add_rms_norm out", T, n);
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 1 && w.size(0) == n && w.is_contiguous(),
-              "add_rms_norm w: bfloat16 [", n, "]");
-  auto* hp = reinterpret_cast<uint16_t*>(h.data_ptr());
-  const auto* rp = reinterpret_cast<const uint16_t*>(r.data_ptr());
-  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const int64_t hs = h.stride(0), rs = r.stride(0), os = out.stride(0);
+void rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, const at::Tensor& out) {
+  const at::ScalarType dt = float_or_bf16(x, "rms_norm x");
+  const int64_t T = x.size(0), n = x.dim() == 2 ? x.size(1) : -1;
+  check_rows(x, "rms_norm x", T, n, dt);
+  check_rows(out, "rms_norm out", T, n, dt);
+  TORCH_CHECK(w.scalar_type() == dt && w.dim() == 1 && w.size(0) == n && w.is_contiguous(),
+              "rms_norm w: ", dt, " [", n, "]");
+  if (dt == at::kFloat) rms_norm_of<float>(x, w, eps, out);
+  else rms_norm_of<uint16_t>(x, w, eps, out);
+}
+
+template <typename E>
+void add_rms_norm_of(const at::Tensor& h, const at::Tensor& r, const at::Tensor& w, double eps, const at::Tensor& out) {
+  const int64_t T = h.size(0), n = h.size(1), hs = h.stride(0), rs = r.stride(0), os = out.stride(0);
+  E* hp = static_cast<E*>(h.data_ptr());
+  const E* rp = static_cast<const E*>(r.data_ptr());
+  const E* wp = static_cast<const E*>(w.data_ptr());
+  E* op = static_cast<E*>(out.data_ptr());
   at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
-      uint16_t* hr = hp + t * hs;
-      const uint16_t* rr = rp + t * rs;
+      E* hr = hp + t * hs;
+      const E* rr = rp + t * rs;
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) hr[i] = f2bf(bf2f(hr[i]) + bf2f(rr[i]));
+      for (int64_t i = 0; i < n; ++i) hr[i] = st(as_f(hr[i]) + as_f(rr[i]), E{});
       norm_row(hr, wp, op + t * os, n, static_cast<float>(eps));
     }
   });
 }
 
-void silu_mul(const at::Tensor& gate_up, const at::Tensor& out) {
-  const int64_t T = gate_up.size(0), n = out.dim() == 2 ? out.size(1) : -1;
-  check_bf16_rows(gate_up, "silu_mul gate_up", T, 2 * n);
-  check_bf16_rows(out, "silu_mul out", T, n);
-  const auto* gp = reinterpret_cast<const uint16_t*>(gate_up.data_ptr());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const int64_t gs = gate_up.stride(0), os = out.stride(0);
+void add_rms_norm(const at::Tensor& h, const at::Tensor& r, const at::Tensor& w, double eps, const at::Tensor& out) {
+  const at::ScalarType dt = float_or_bf16(h, "add_rms_norm h");
+  const int64_t T = h.size(0), n = h.dim() == 2 ? h.size(1) : -1;
+  check_rows(h, "add_rms_norm h", T, n, dt);
+  check_rows(r, "add_rms_norm r", T, n, dt);
+  check_rows(out, "add_rms_norm out", T, n, dt);
+  TORCH_CHECK(w.scalar_type() == dt && w.dim() == 1 && w.size(0) == n && w.is_contiguous(),
+              "add_rms_norm w: ", dt, " [", n, "]");
+  if (dt == at::kFloat) add_rms_norm_of<float>(h, r, w, eps, out);
+  else add_rms_norm_of<uint16_t>(h, r, w, eps, out);
+}
+
+template <typename E>
+void silu_mul_of(const at::Tensor& gate_up, const at::Tensor& out) {
+  const int64_t T = gate_up.size(0), n = out.size(1), gs = gate_up.stride(0), os = out.stride(0);
+  const E* gp = static_cast<const E*>(gate_up.data_ptr());
+  E* op = static_cast<E*>(out.data_ptr());
   at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
-      const uint16_t* g = gp + t * gs;
-      const uint16_t* u = g + n;
-      uint16_t* o = op + t * os;
+      const E* g = gp + t * gs;
+      const E* u = g + n;
+      E* o = op + t * os;
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) {
-        const float x = bf2f(g[i]);
+        const float x = as_f(g[i]);
         // below x = -88 silu is -0 here (it is under 1e-36 in magnitude): -ffast-math's division of x
         // by an infinite 1 + exp(-x) gives NaN, so exp's argument is bounded and the result chosen
         const float sx = x < -88.f ? -0.f : x / (1.f + expf(std::min(-x, 88.f)));
-        o[i] = f2bf(bf2f(f2bf(sx)) * bf2f(u[i]));
+        o[i] = st(rnd(sx, E{}) * as_f(u[i]), E{});
       }
     }
   });
 }
 
+void silu_mul(const at::Tensor& gate_up, const at::Tensor& out) {
+  const at::ScalarType dt = float_or_bf16(gate_up, "silu_mul gate_up");
+  const int64_t T = gate_up.size(0), n = out.dim() == 2 ? out.size(1) : -1;
+  check_rows(gate_up, "silu_mul gate_up", T, 2 * n, dt);
+  check_rows(out, "silu_mul out", T, n, dt);
+  if (dt == at::kFloat) silu_mul_of<float>(gate_up, out);
+  else silu_mul_of<uint16_t>(gate_up, out);
+}
+
 
 // Rotary embedding (rotate-half, the whole head dim) of q and k straight out of the fused qkv
 // projection, with k and v written to their cache slots: transformers' three roundings per
-// value (x * cos, rotate_half(x) * sin, their sum; each bf16 product is exact in float32, so
-// the result is torch's to the bit) and write_kv's scatter, one pass instead of ~8 ops.
-//   qkv [T, (H + 2 KVH) * D] bf16; cos, sin [T, D] bf16 (the positions' rows); caches
-//   [blocks, block_size, KVH, D] (strided blocks); slots [T] int64 (< 0: not written); q_out [T, H, D]
-void rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t H, int64_t KVH,
-                   const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
-                   const at::Tensor& q_out) {
-  const int64_t T = qkv.size(0), D = q_out.dim() == 3 ? q_out.size(2) : -1, half = D / 2;
-  check_bf16_rows(qkv, "rope_write_kv qkv", T, (H + 2 * KVH) * D);
-  check_bf16_rows(cos, "rope_write_kv cos", T, D);
-  check_bf16_rows(sin, "rope_write_kv sin", T, D);
-  TORCH_CHECK(D > 0 && D % 2 == 0 && q_out.scalar_type() == at::kBFloat16 && q_out.is_contiguous() &&
-                  q_out.size(0) == T && q_out.size(1) == H, "rope_write_kv q_out: contiguous bfloat16 [", T, ", ", H, ", D]");
-  for (const at::Tensor* c : {&k_cache, &v_cache})
-    TORCH_CHECK(c->scalar_type() == at::kBFloat16 && c->dim() == 4 && c->size(2) == KVH && c->size(3) == D &&
-                    c->stride(3) == 1 && c->stride(2) == D, "rope_write_kv caches: bfloat16 [blocks, block_size, ", KVH,
-                " kv heads, ", D, "], heads contiguous");
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "rope_write_kv: the caches' shapes differ");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == T && slots.is_contiguous(),
-              "rope_write_kv slots: contiguous int64 [", T, "]");
-  const int64_t bs = k_cache.size(1), nslots = k_cache.size(0) * bs;
+// value (x * cos, rotate_half(x) * sin, their sum), so the result is torch's to the bit (this
+// file is compiled without FMA contraction: a fused x * cos + y * sin would round once, not
+// three times), and write_kv's scatter, one pass instead of ~8 ops.
+//   qkv [T, (H + 2 KVH) * D]; cos, sin [T, D] (the positions' rows); caches [blocks,
+//   block_size, KVH, D] (strided blocks); slots [T] int64 (< 0: not written); q_out [T, H, D];
+//   all float32 or all bfloat16
+template <typename E>
+void rope_write_kv_of(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t H, int64_t KVH,
+                      const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
+                      const at::Tensor& q_out) {
+  const int64_t T = qkv.size(0), D = q_out.size(2), half = D / 2;
+  const int64_t bs = k_cache.size(1);
   const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(sp[t] < nslots, "rope_write_kv: slot ", sp[t], " outside the cache's ", nslots);
-  const auto* xp = reinterpret_cast<const uint16_t*>(qkv.data_ptr());
-  const auto* cp = reinterpret_cast<const uint16_t*>(cos.data_ptr());
-  const auto* snp = reinterpret_cast<const uint16_t*>(sin.data_ptr());
-  auto* qo = reinterpret_cast<uint16_t*>(q_out.data_ptr());
-  auto* kc = reinterpret_cast<uint16_t*>(k_cache.data_ptr());
-  auto* vc = reinterpret_cast<uint16_t*>(v_cache.data_ptr());
+  const E* xp = static_cast<const E*>(qkv.data_ptr());
+  const E* cp = static_cast<const E*>(cos.data_ptr());
+  const E* snp = static_cast<const E*>(sin.data_ptr());
+  E* qo = static_cast<E*>(q_out.data_ptr());
+  E* kc = static_cast<E*>(k_cache.data_ptr());
+  E* vc = static_cast<E*>(v_cache.data_ptr());
   const int64_t xs = qkv.stride(0), cs = cos.stride(0), ss = sin.stride(0);
   const int64_t kb = k_cache.stride(0), kt = k_cache.stride(1), vb = v_cache.stride(0), vt = v_cache.stride(1);
   at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
-      const uint16_t* x = xp + t * xs;
-      const uint16_t* c = cp + t * cs;
-      const uint16_t* sn = snp + t * ss;
+      const E* x = xp + t * xs;
+      const E* c = cp + t * cs;
+      const E* sn = snp + t * ss;
       const int64_t slot = sp[t];
-      uint16_t* krow = slot >= 0 ? kc + (slot / bs) * kb + (slot % bs) * kt : nullptr;
-      uint16_t* vrow = slot >= 0 ? vc + (slot / bs) * vb + (slot % bs) * vt : nullptr;
+      E* krow = slot >= 0 ? kc + (slot / bs) * kb + (slot % bs) * kt : nullptr;
+      E* vrow = slot >= 0 ? vc + (slot / bs) * vb + (slot % bs) * vt : nullptr;
       for (int64_t h = 0; h < H + KVH; ++h) {
-        const uint16_t* xh = x + h * D;
-        uint16_t* o = h < H ? qo + (t * H + h) * D : krow != nullptr ? krow + (h - H) * D : nullptr;
+        const E* xh = x + h * D;
+        E* o = h < H ? qo + (t * H + h) * D : krow != nullptr ? krow + (h - H) * D : nullptr;
         if (o == nullptr) continue;
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {  // rotate_half: [-x2, x1]
-          o[i] = f2bf(bf2f(f2bf(bf2f(xh[i]) * bf2f(c[i]))) + bf2f(f2bf(-bf2f(xh[i + half]) * bf2f(sn[i]))));
-          o[i + half] = f2bf(bf2f(f2bf(bf2f(xh[i + half]) * bf2f(c[i + half]))) +
-                             bf2f(f2bf(bf2f(xh[i]) * bf2f(sn[i + half]))));
+          o[i] = st(rnd(as_f(xh[i]) * as_f(c[i]), E{}) + rnd(-as_f(xh[i + half]) * as_f(sn[i]), E{}), E{});
+          o[i + half] = st(rnd(as_f(xh[i + half]) * as_f(c[i + half]), E{}) +
+                               rnd(as_f(xh[i]) * as_f(sn[i + half]), E{}), E{});
         }
       }
-      if (vrow != nullptr) std::memcpy(vrow, x + (H + KVH) * D, KVH * D * sizeof(uint16_t));
+      if (vrow != nullptr) std::memcpy(vrow, x + (H + KVH) * D, KVH * D * sizeof(E));
     }
   });
+}
+
+void rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t H, int64_t KVH,
+                   const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots,
+                   const at::Tensor& q_out) {
+  const at::ScalarType dt = float_or_bf16(qkv, "rope_write_kv qkv");
+  const int64_t T = qkv.size(0), D = q_out.dim() == 3 ? q_out.size(2) : -1;
+  check_rows(qkv, "rope_write_kv qkv", T, (H + 2 * KVH) * D, dt);
+  check_rows(cos, "rope_write_kv cos", T, D, dt);
+  check_rows(sin, "rope_write_kv sin", T, D, dt);
+  TORCH_CHECK(D > 0 && D % 2 == 0 && q_out.scalar_type() == dt && q_out.is_contiguous() && q_out.size(0) == T &&
+                  q_out.size(1) == H, "rope_write_kv q_out: contiguous ", dt, " [", T, ", ", H, ", D]");
+  for (const at::Tensor* c : {&k_cache, &v_cache})
+    TORCH_CHECK(c->scalar_type() == dt && c->dim() == 4 && c->size(2) == KVH && c->size(3) == D &&
+                    c->stride(3) == 1 && c->stride(2) == D, "rope_write_kv caches: ", dt, " [blocks, block_size, ", KVH,
+                " kv heads, ", D, "], heads contiguous");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "rope_write_kv: the caches' shapes differ");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == T && slots.is_contiguous(),
+              "rope_write_kv slots: contiguous int64 [", T, "]");
+  const int64_t nslots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] < nslots, "rope_write_kv: slot ", sp[t], " outside the cache's ", nslots);
+  if (dt == at::kFloat) rope_write_kv_of<float>(qkv, cos, sin, H, KVH, k_cache, v_cache, slots, q_out);
+  else rope_write_kv_of<uint16_t>(qkv, cos, sin, H, KVH, k_cache, v_cache, slots, q_out);
 }
 
 }  // namespace
