@@ -18,6 +18,7 @@ path stays the torch reference (backend.py says why, once).
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import logging
 import os
@@ -83,14 +84,20 @@ def build(path: str) -> None:
     objs = [f"{tmp[:-3]}.{i}.o" for i in range(len(SOURCES))]
     cxx = os.environ.get("CXX", "c++")
     abi = int(torch.compiled_with_cxx11_abi())
-    steps = [[cxx, *COMPILE, *PER_SOURCE.get(os.path.basename(source), []), f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-              *[f"-I{p}" for p in include_paths()], source, "-o", obj] for source, obj in zip(SOURCES, objs)]
-    steps.append([cxx, *LINK, *objs, "-o", tmp, *[f"-L{p}" for p in library_paths()], "-lc10", "-ltorch_cpu"])
+    compiles = [[cxx, *COMPILE, *PER_SOURCE.get(os.path.basename(source), []), f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+                 *[f"-I{p}" for p in include_paths()], source, "-o", obj] for source, obj in zip(SOURCES, objs)]
+    link = [cxx, *LINK, *objs, "-o", tmp, *[f"-L{p}" for p in library_paths()], "-lc10", "-ltorch_cpu"]
+
+    def run(cmd: list[str]) -> None:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cmd[0]} exited {done.returncode}: {done.stderr.strip()[-2000:]}")
     try:
-        for cmd in steps:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-            if done.returncode != 0:
-                raise RuntimeError(f"{cmd[0]} exited {done.returncode}: {done.stderr.strip()[-2000:]}")
+        # the sources side by side, one compiler per core (35 s one after another on 2 cores)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(len(compiles), os.cpu_count() or 1)) as pool:
+            for f in [pool.submit(run, cmd) for cmd in compiles]:
+                f.result()
+        run(link)
         os.replace(tmp, path)
     finally:
         for f in (tmp, *objs):
