@@ -112,9 +112,12 @@ def test_policies_route_as_specified(cluster, tokenizer):
 
         async def main():
             assert [await rr.pick(probe) for _ in range(4)] == ["w0", "w1", "w0", "w1"]
-            # uneven load: three long requests pinned to w0
+            # uneven load: three long requests pinned to w0. Each grows to 23 of w0's 24 blocks, so
+            # w0 shows < 8 free from its 98th token on, whichever of them runs (with 80 tokens
+            # only two running together did, a window that a faster engine made short enough to miss:
+            # a clean-clone run, 2026-12-05, never saw it in 120 s)
             long = [GenerateRequest(request_id=f"l{i}", prompt_token_ids=list(range(30 + i, 60 + i)),
-                                    params=SamplingParams(max_tokens=80, ignore_eos=True))
+                                    params=SamplingParams(max_tokens=150, ignore_eos=True))
                     for i in range(3)]
             tasks = [asyncio.create_task(run(cluster.router, r, worker_id="w0")) for r in long]
             # the router's own snapshot shows w0 loaded (w0 swaps under this burst, and a heartbeat
