@@ -113,9 +113,9 @@ def test_policies_route_as_specified(cluster, tokenizer):
         async def main():
             assert [await rr.pick(probe) for _ in range(4)] == ["w0", "w1", "w0", "w1"]
             # uneven load: three long requests pinned to w0. Each grows to 23 of w0's 24 blocks, so
-            # w0 shows < 8 free from its 98th token on, whichever of them runs (with 80 tokens
-            # only two running together did, a window that a faster engine made short enough to miss:
-            # a clean-clone run, 2026-12-05, never saw it in 120 s)
+            # one of them alone leaves < 8 free from its 98th token on, however the three are
+            # scheduled (with 80 tokens each, a clean-clone run of 2026-12-05, after the engine got
+            # faster, never saw w0 under 8 free in 120 s)
             long = [GenerateRequest(request_id=f"l{i}", prompt_token_ids=list(range(30 + i, 60 + i)),
                                     params=SamplingParams(max_tokens=150, ignore_eos=True))
                     for i in range(3)]
