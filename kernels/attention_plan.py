@@ -97,24 +97,11 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_sta
     that read the cache in place)."""
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
+    if in_place:
+        return _in_place_plan(block_tables, seq_lens, qsl, lens)
     tables = block_tables.to(torch.long)
     decode_idx = [s for s in range(len(lens)) if qsl[s + 1] - qsl[s] == 1]
     chunks = []
-    rows = None
-    if in_place:
-        idx = torch.tensor(decode_idx, dtype=torch.long)
-        rows = DecodeRows(torch.tensor([qsl[s] for s in decode_idx], dtype=torch.long),
-                          block_tables.index_select(0, idx).to(torch.int32).contiguous(),
-                          seq_lens.index_select(0, idx).to(torch.long).contiguous())
-        decode_idx = []
-        pre = [s for s in range(len(lens)) if qsl[s + 1] - qsl[s] > 1]
-        idx = torch.tensor(pre, dtype=torch.long)
-        prefill_rows = PrefillRows(block_tables.index_select(0, idx).to(torch.int32).contiguous(),
-                                   torch.tensor([lens[s] for s in pre], dtype=torch.long),
-                                   torch.tensor([qsl[s] for s in pre], dtype=torch.long),
-                                   torch.tensor([qsl[s + 1] - qsl[s] for s in pre], dtype=torch.long))
-        return AttentionPlan([], [], max(b - a for a, b in zip(qsl, qsl[1:])) if lens else 0, rows,
-                             prefill_rows=prefill_rows)
     for members, nb in _decode_chunks([lens[s] for s in decode_idx], block_size, kv_bytes_per_token):
         seqs = [decode_idx[m] for m in members]
         ctx = torch.tensor([lens[s] for s in seqs])
@@ -145,7 +132,23 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_sta
         else:
             batches.append(PrefillBatch(torch.cat([torch.arange(qsl[s], qsl[s + 1]) for s in seqs]),
                                         tables[seqs, :nb].reshape(-1), len(seqs), ctx))
-    return AttentionPlan(chunks, prefill, max(b - a for a, b in zip(qsl, qsl[1:])) if lens else 0, rows, batches)
+    return AttentionPlan(chunks, prefill, max(b - a for a, b in zip(qsl, qsl[1:])) if lens else 0,
+                         prefill_batches=batches)
+
+
+def _in_place_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, qsl: list[int], lens: list[int]) -> AttentionPlan:
+    """The decode and the prefill sequences as rows, for the kernels that read the cache in place."""
+    def rows_of(seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.tensor(seqs, dtype=torch.long)
+        return (block_tables.index_select(0, idx).to(torch.int32).contiguous(),
+                seq_lens.index_select(0, idx).to(torch.long).contiguous())
+    dec = [s for s in range(len(lens)) if qsl[s + 1] - qsl[s] == 1]
+    pre = [s for s in range(len(lens)) if qsl[s + 1] - qsl[s] > 1]
+    rows = DecodeRows(torch.tensor([qsl[s] for s in dec], dtype=torch.long), *rows_of(dec))
+    prefill_rows = PrefillRows(*rows_of(pre), torch.tensor([qsl[s] for s in pre], dtype=torch.long),
+                               torch.tensor([qsl[s + 1] - qsl[s] for s in pre], dtype=torch.long))
+    return AttentionPlan([], [], max(b - a for a, b in zip(qsl, qsl[1:])) if lens else 0, rows,
+                         prefill_rows=prefill_rows)
 
 
 def _decode_chunks(ctx_lens: list[int], block_size: int, bytes_per_token: int) -> list[tuple[list[int], int]]:
