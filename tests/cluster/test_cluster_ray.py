@@ -112,30 +112,36 @@ def test_policies_route_as_specified(cluster, tokenizer):
 
         async def main():
             assert [await rr.pick(probe) for _ in range(4)] == ["w0", "w1", "w0", "w1"]
-            # uneven load: three long requests pinned to w0. Each grows to 23 of w0's 24 blocks, so
-            # one of them alone leaves < 8 free from its 98th token on, however the three are
-            # scheduled (with 80 tokens each, a clean-clone run of 2026-12-05, after the engine got
-            # faster, never saw w0 under 8 free in 120 s)
+            # uneven load: long requests pinned to w0, each growing to 23 of its 24 blocks, so w0 has
+            # < 8 free from a request's 98th token on, whatever the schedule. Eight of them keep it so
+            # for seconds: with three, the engine (faster since 2026-12-05) finished the burst within
+            # ~2 heartbeats, and 2 of ~15 runs never saw w0 loaded in 120 s
             long = [GenerateRequest(request_id=f"l{i}", prompt_token_ids=list(range(30 + i, 60 + i)),
                                     params=SamplingParams(max_tokens=150, ignore_eos=True))
-                    for i in range(3)]
+                    for i in range(8)]
             tasks = [asyncio.create_task(run(cluster.router, r, worker_id="w0")) for r in long]
-            # the router's own snapshot shows w0 loaded (w0 swaps under this burst, and a heartbeat
-            # taken just after a swap-out showed it with room: 2 runs of 5 picked w0 first
-            # when this waited on a separate read of Redis)
+            # the router's own snapshot shows w0 loaded and w1 idle (w0 swaps under this burst, and
+            # a heartbeat taken just after a swap-out showed it with room: 2 runs of 5 picked w0
+            # first when this waited on a separate read of Redis)
             async def w0_loaded():
-                return (await ll._live_now(refresh=True))["w0"].num_free_blocks < 8
-            await until(w0_loaded, "w0's heartbeat to show the burst", TIMEOUT_S)
+                loads = await ll._live_now(refresh=True)
+                w1 = loads["w1"]
+                return (loads["w0"].num_free_blocks < 8 and w1.num_free_blocks == w1.num_kv_blocks
+                        and not (w1.num_running or w1.num_waiting or w1.num_swapped))
+            await until(w0_loaded, "w0's heartbeat to show the burst and w1's to show it idle", TIMEOUT_S)
             # and the picks below decide on that snapshot: refreshed in between, a heartbeat taken
             # as w0 swapped one of the burst out showed it with room (a clean-clone CI run, 2026-12-04,
             # picked ['w1', 'w1', 'w0', 'w1']); the policy, not the burst's timing, is under test
             ll.refresh_s = float("inf")
-            assert [await ll.pick(probe) for _ in range(4)] == ["w1"] * 4
+            snapshot = {w: (l.num_free_blocks, l.num_running, l.num_waiting, l.num_swapped, l.queued_tokens)
+                        for w, l in (await ll._live_now()).items()}
+            picks = [await ll.pick(probe) for _ in range(4)]
+            assert picks == ["w1"] * 4, (picks, snapshot)
             short = [GenerateRequest(request_id=f"s{i}", prompt_token_ids=list(range(11 + i, 20 + i)),
                                      params=SamplingParams(max_tokens=4))
                      for i in range(3)]
             placed = await asyncio.gather(*(run(ll, r) for r in short))
-            assert [ws[0] for _, ws in placed] == ["w1"] * 3
+            assert [ws[0] for _, ws in placed] == ["w1"] * 3, (placed, snapshot)
             await asyncio.gather(*tasks)
 
             # prefix-aware: a long shared prefix cached on w1 draws requests that share it
