@@ -15,6 +15,9 @@
 //                                              F.silu(gate) * up rounds
 //   rope_write_kv(qkv, cos, sin, ...)         q and k rotated (bit-identical to torch's chain),
 //                                              k and v written to their cache slots
+//   sample_rows(x, rows, temps, min_p, u)      one draw from softmax(x[row] / T), min-p applied,
+//                                              by the inverse CDF at u (sampler.py's `_draw`, in
+//                                              one pass of exp and a partial scan, no tensors)
 // The norms' sums of squares run in another order than torch's mean, and silu's exp is
 // glibc's, not Sleef's: those two differ from torch in the last bit now and then.
 #include <ATen/Parallel.h>
@@ -27,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -297,6 +301,135 @@ void rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tenso
   else rope_write_kv_of<uint16_t>(qkv, cos, sin, H, KVH, k_cache, v_cache, slots, q_out);
 }
 
+// ---- sampling: the inverse CDF of softmax(x / T), min-p applied --------------------------
+// Per row: m = max x; e_i = exp((x_i - m) / T), 0 below min_p (e of the maximum is 1, so min-p's
+// "p >= min_p * p_max" is e >= min_p) and 0 for x = -inf (a masked token); the first i whose
+// cumulative e exceeds u * sum e. Sums of 64-entry chunks are kept (double), so the scan walks
+// chunks, then one chunk. A row with a NaN takes its first NaN (argmax_rows' rule: the caller's
+// NaN check sees it); a row of -inf (all masked) its argmax, 0.
+constexpr int64_t CHUNK = 64;
+
+template <typename T>
+void sample_rows_of(const T* xp, int64_t rs, int64_t n, const int64_t* rows, int64_t R, const float* temps,
+                    const float* min_p, const double* u, int64_t* op) {
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> e;
+    thread_local std::vector<double> sums;
+    const int64_t nchunks = (n + CHUNK - 1) / CHUNK;
+    if (static_cast<int64_t>(e.size()) < n) e.resize(n);
+    if (static_cast<int64_t>(sums.size()) < nchunks) sums.resize(nchunks);
+    float* ep = e.data();
+    for (int64_t k = begin; k < end; ++k) {
+      const T* row = xp + rows[k] * rs;
+      float m = as_f(row[0]);
+      uint32_t nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = as_f(row[i]);
+        m = v > m ? v : m;
+        nan |= static_cast<uint32_t>(is_nan(row[i]));
+      }
+      if (nan) {
+        int64_t at = 0;
+        while (!is_nan(row[at])) ++at;
+        op[k] = at;
+        continue;
+      }
+      uint32_t mb;
+      std::memcpy(&mb, &m, sizeof mb);
+      if (mb == 0xff800000u) {  // every token masked (-inf): no distribution, the argmax's 0
+        op[k] = 0;
+        continue;
+      }
+      const float inv_t = 1.f / temps[k], floor_e = min_p[k];
+      double total = 0.0;
+      for (int64_t c = 0; c < nchunks; ++c) {
+        const int64_t b = c * CHUNK, en = std::min(n, b + CHUNK);
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t i = b; i < en; ++i) {
+          const float x = as_f(row[i]);
+          // x == m first: (m - m) * inv_t is 0 even for an infinite inv_t; -inf and far-below
+          // values are exactly 0 (exp(-87) would be a denormal's worth of mass on a masked token)
+          const float d = x == m ? 0.f : (x - m) * inv_t;
+          float v = d < -87.f ? 0.f : expf(d);
+          v = v < floor_e ? 0.f : v;
+          ep[i] = v;
+          s += v;
+        }
+        sums[c] = s;
+        total += s;
+      }
+      const double target = u[k] * total;
+      int64_t at = -1;
+      if (total > 0.0) {  // (finite: n terms of at most 1)
+        double acc = 0.0;
+        int64_t c = 0;
+        for (; c < nchunks && acc + sums[c] <= target; ++c) acc += sums[c];
+        if (c < nchunks) {
+          for (int64_t i = c * CHUNK, en = std::min(n, i + CHUNK); i < en; ++i) {
+            acc += ep[i];
+            if (ep[i] > 0.f && acc > target) {
+              at = i;
+              break;
+            }
+          }
+        }
+        if (at < 0) {  // rounding put the target at the very end: the last token with mass
+          for (int64_t i = n - 1; i >= 0; --i)
+            if (ep[i] > 0.f) {
+              at = i;
+              break;
+            }
+        }
+      }
+      if (at < 0) {  // no mass at all: the argmax
+        at = 0;
+        for (int64_t i = 1; i < n; ++i)
+          if (as_f(row[i]) > as_f(row[at])) at = i;
+      }
+      op[k] = at;
+    }
+  });
+}
+
+at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& temps, const at::Tensor& min_p,
+                       const at::Tensor& u) {
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0,
+              "sample_rows: a CPU float32 or bfloat16 [rows, n > 0] tensor, rows contiguous");
+  const int64_t R = rows.numel(), n = x.size(1);
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(),
+              "sample_rows: rows a contiguous int64 vector");
+  TORCH_CHECK(temps.scalar_type() == at::kFloat && temps.dim() == 1 && temps.numel() == R && temps.is_contiguous() &&
+                  min_p.scalar_type() == at::kFloat && min_p.dim() == 1 && min_p.numel() == R &&
+                  min_p.is_contiguous() && u.scalar_type() == at::kDouble && u.dim() == 1 && u.numel() == R &&
+                  u.is_contiguous(),
+              "sample_rows: temps and min_p contiguous float32 [", R, "], u contiguous float64 [", R, "]");
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const float* tp = temps.data_ptr<float>();
+  const double* up = u.data_ptr<double>();
+  for (int64_t k = 0; k < R; ++k) {
+    TORCH_CHECK(rp[k] >= 0 && rp[k] < x.size(0), "sample_rows: row ", rp[k], " outside [0, ", x.size(0), ")");
+    // by the bits (the library is built with -ffast-math, under which NaN and infinity tests fold
+    // away): a non-negative float's or double's bits order as its value, NaN and inf above all
+    uint32_t tb;
+    uint64_t ub;
+    std::memcpy(&tb, &tp[k], sizeof tb);
+    std::memcpy(&ub, &up[k], sizeof ub);
+    TORCH_CHECK(tb != 0 && tb < 0x7f800000u, "sample_rows: temperature ", tp[k], " not finite and > 0");
+    TORCH_CHECK(ub < 0x3ff0000000000000ull, "sample_rows: u ", up[k], " outside [0, 1)");  // 1.0's bits
+  }
+  at::Tensor out = at::empty({R}, rows.options());
+  if (x.scalar_type() == at::kFloat)
+    sample_rows_of(x.data_ptr<float>(), x.stride(0), n, rp, R, tp, min_p.data_ptr<float>(), up,
+                   out.data_ptr<int64_t>());
+  else
+    sample_rows_of(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), n, rp, R, tp,
+                   min_p.data_ptr<float>(), up, out.data_ptr<int64_t>());
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(folio_cpu, m) {
@@ -306,7 +439,9 @@ TORCH_LIBRARY_FRAGMENT(folio_cpu, m) {
   m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
   m.def("rope_write_kv(Tensor qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slots, Tensor(c!) q_out) -> ()");
+  m.def("sample_rows(Tensor x, Tensor rows, Tensor temps, Tensor min_p, Tensor u) -> Tensor");
   m.impl("argmax_rows", c10::DispatchKey::CPU, TORCH_FN(argmax_rows));
+  m.impl("sample_rows", c10::DispatchKey::CPU, TORCH_FN(sample_rows));
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
   m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));

@@ -35,6 +35,17 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+def sample_rows(x: torch.Tensor, rows: torch.Tensor, temps: torch.Tensor, min_p: torch.Tensor,
+                u: torch.Tensor) -> torch.Tensor | None:
+    """One token per row of x[rows] drawn from softmax(x / temps) with min_p, at the uniforms
+    `u` (float64, [0, 1)) by the inverse CDF, as sampler._draw(sampler._filter(...)) draws; None
+    where the library cannot (the caller's torch path then)."""
+    if (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 and x.numel()
+            and x.stride(1) == 1 and available()):
+        return torch.ops.folio_cpu.sample_rows(x, rows, temps, min_p, u)
+    return None
+
+
 def _fused(*ts: torch.Tensor) -> bool:
     return (ts[0].dtype in (torch.float32, torch.bfloat16)
             and all(t.dtype == ts[0].dtype and t.device.type == "cpu" for t in ts) and available())

@@ -164,14 +164,26 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return probs
 
 
-def _race(probs: torch.Tensor, generators: list) -> torch.Tensor:
-    """One draw per row of `probs`: the exponential race, argmax(p / E) with E ~ Exp(1) from
-    the row's own generator (so a seeded row draws the same whatever shares its batch)."""
-    noise = torch.empty_like(probs)
-    for r, g in enumerate(generators):
-        noise[r].exponential_(generator=g)
-    noise.clamp_min_(1e-30)  # an exact 0 would turn p = 0 into NaN, which argmax picks
-    return (probs / noise).argmax(dim=-1)
+def _uniforms(generators: list) -> torch.Tensor:
+    """One float64 uniform in [0, 1) per row, from the row's own generator (so a seeded row
+    draws the same whatever shares its batch); unseeded rows from torch's default one."""
+    if all(g is None for g in generators):
+        return torch.rand(len(generators), dtype=torch.float64)
+    return torch.cat([torch.rand(1, dtype=torch.float64, generator=g) for g in generators])
+
+
+def _draw(probs: torch.Tensor, generators: list) -> torch.Tensor:
+    """One draw per row of `probs` (non-negative, each row with some mass) by the inverse CDF:
+    the first token whose cumulative mass exceeds u * total, u from `_uniforms` (never a token
+    of probability 0). The exponential race it replaced (argmax(p / E), E ~ Exp(1)) drew a
+    random number per vocabulary entry: torch's exponential_ costs ~19 ns an element on a CPU,
+    5 of the 5.5 ms of a 32 x 8,192 draw; this takes 0.5."""
+    u = _uniforms(generators)[:, None]
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    # u < 1, but u * total may round up to total: keep the target strictly below the last step
+    target = torch.minimum((u * total.double()).to(cdf.dtype), torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, side="right")[:, 0]
 
 
 CANDIDATES = 1024  # top-k / top-p rows draw among this many best tokens when their nucleus fits
@@ -225,7 +237,7 @@ def _sample_truncated(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int
     here = [r for r, good in enumerate(ok) if good]
     if here:
         sel = torch.tensor(here, dtype=torch.long, device=device)
-        pick = _race(probs.index_select(0, sel), [generators[rows[r]] for r in here])
+        pick = _draw(probs.index_select(0, sel), [generators[rows[r]] for r in here])
         chosen = ids.index_select(0, sel).gather(1, pick[:, None])[:, 0]
         tokens.index_copy_(0, idx.index_select(0, sel), chosen)
     return [rows[r] for r, good in enumerate(ok) if not good]
@@ -246,12 +258,22 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     if sampled:
         dense = _sample_truncated(processed, tokens, [i for i in sampled if _truncates(params[i])], params,
                                   generators)
-        dense += [i for i in sampled if not _truncates(params[i])]
+        plain = [i for i in sampled if not _truncates(params[i])]
+        if plain:  # temperature and min-p only: the fused inverse CDF (cpu_ops.sample_rows)
+            idx = torch.tensor(plain, dtype=torch.long, device=logits.device)
+            got = cpu_ops.sample_rows(processed, idx,
+                                      torch.tensor([params[i].temperature for i in plain], dtype=torch.float32),
+                                      torch.tensor([params[i].min_p for i in plain], dtype=torch.float32),
+                                      _uniforms([generators[i] for i in plain]))
+            if got is None:
+                dense += plain
+            else:
+                tokens.index_copy_(0, idx, got)
         if dense:
             dense.sort()
             idx = torch.tensor(dense, dtype=torch.long, device=logits.device)
             probs = _filter(processed.index_select(0, idx), [params[i] for i in dense])
-            tokens.index_copy_(0, idx, _race(probs, [generators[i] for i in dense]))
+            tokens.index_copy_(0, idx, _draw(probs, [generators[i] for i in dense]))
     token_list = tokens.tolist()
     lps: list[dict[int, float] | None] = [None] * n
     want = [i for i, p in enumerate(params) if p.logprobs is not None]

@@ -213,3 +213,79 @@ def test_rope_write_kv_refuses_a_slot_past_the_cache_and_leaves_float16_to_the_c
         cpu_ops.rope_write_kv(qkv, cos, cos, 1, 1, k, v, torch.tensor([0, 8]))
     assert cpu_ops.rope_write_kv(qkv.half(), cos.half(), cos.half(), 1, 1, k.half(), v.half(),
                                  torch.tensor([0, 1])) is None
+
+
+# ---- sample_rows: the fused inverse CDF of softmax(x / T) with min-p ---------------------------
+@st.composite
+def sampling_case(draw):
+    rows, n = draw(st.integers(1, 5)), draw(st.sampled_from([1, 2, 63, 64, 65, 300, 3000]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    x = torch.randn(rows, n, generator=g) * draw(st.sampled_from([0.1, 3.0, 20.0]))
+    masked = torch.rand(rows, n, generator=g) < draw(st.sampled_from([0.0, 0.5, 0.99]))
+    x = x.masked_fill(masked, float("-inf"))
+    x[:, draw(st.integers(0, n - 1))] = 1.0  # at least one token left in every row
+    pick = draw(st.lists(st.integers(0, rows - 1), min_size=1, max_size=6))
+    temps = [draw(st.sampled_from([0.05, 0.7, 1.0, 2.5])) for _ in pick]
+    min_ps = [draw(st.sampled_from([0.0, 0.0, 0.05, 0.5])) for _ in pick]
+    us = [draw(st.one_of(st.sampled_from([0.0, 0.5, 1 - 2**-53]), st.floats(0, 1, exclude_max=True))) for _ in pick]
+    return x, pick, temps, min_ps, us
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(sampling_case(), st.sampled_from([torch.float32, torch.bfloat16]))
+def test_sample_rows_is_the_inverse_cdf_of_the_filtered_distribution(case, dtype):
+    """The drawn token is the one whose cumulative mass (the torch path's _filter, in float64)
+    straddles u * total, to float32 rounding; never a masked token nor one below min-p."""
+    from folio.worker.sampler import _filter
+    from folio.worker.sampling_params import SamplingParams
+
+    x, pick, temps, min_ps, us = case
+    x = x.to(dtype)
+    got = cpu_ops.sample_rows(x, torch.tensor(pick), torch.tensor(temps), torch.tensor(min_ps),
+                              torch.tensor(us, dtype=torch.float64))
+    for k, r in enumerate(pick):
+        probs = _filter(x[r:r + 1].float(), [SamplingParams(temperature=temps[k], min_p=min_ps[k])])[0].double()
+        i = int(got[k])
+        assert probs[i] > 0, (k, i)
+        cdf = probs.cumsum(0)
+        target = us[k] * float(cdf[-1])
+        lo = float(cdf[i - 1]) if i else 0.0
+        assert lo - 1e-5 <= target <= float(cdf[i]) + 1e-5, (k, i, lo, target, float(cdf[i]))
+
+
+def test_sample_rows_draws_each_token_with_its_probability():
+    """A grid of u over [0, 1) is a quadrature of the distribution: each token's share of the
+    draws is its probability to within two grid steps, at a real vocabulary's size."""
+    from folio.worker.sampler import _filter
+    from folio.worker.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 49152, generator=g) * 4
+    n = 4000
+    us = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    for r, (t, m) in enumerate([(1.0, 0.0), (0.6, 0.02)]):
+        got = cpu_ops.sample_rows(x, torch.full((n,), r), torch.full((n,), t), torch.full((n,), m), us)
+        share = torch.bincount(got, minlength=x.shape[1]).double() / n
+        want = _filter(x[r:r + 1], [SamplingParams(temperature=t, min_p=m)])[0].double()
+        assert float((share - want).abs().max()) <= 2 / n
+        assert bool((want[got] > 0).all())
+
+
+def test_sample_rows_nan_and_masked_rows_and_bad_input():
+    x = torch.randn(3, 100)
+    x[0, 7] = x[0, 9] = float("nan")
+    x[1] = float("-inf")
+    one = lambda r, t=1.0, u=0.5: torch.ops.folio_cpu.sample_rows(  # noqa: E731
+        x, torch.tensor([r]), torch.tensor([t]), torch.tensor([0.0]), torch.tensor([u], dtype=torch.float64))
+    assert int(one(0)) == 7  # the first NaN, as argmax_rows (the engine's NaN check sees it)
+    assert int(one(1)) == 0  # nothing to draw from: the argmax
+    assert int(one(2, t=1e-30)) == int(x[2].argmax())  # a tiny temperature is the argmax
+    for bad in (dict(r=3), dict(r=-1), dict(r=2, t=0.0), dict(r=2, t=float("inf")), dict(r=2, t=-1.0),
+                dict(r=2, u=1.0), dict(r=2, u=-0.5), dict(r=2, u=float("nan"))):
+        with pytest.raises(RuntimeError, match="sample_rows"):
+            one(**bad)
+    with pytest.raises(RuntimeError, match="sample_rows"):
+        torch.ops.folio_cpu.sample_rows(x, torch.tensor([0, 1]), torch.tensor([1.0]), torch.tensor([0.0, 0.0]),
+                                        torch.tensor([0.5, 0.5], dtype=torch.float64))
+    assert cpu_ops.sample_rows(x.half(), torch.tensor([2]), torch.tensor([1.0]), torch.tensor([0.0]),
+                               torch.tensor([0.5], dtype=torch.float64)) is None  # float16: the torch path
