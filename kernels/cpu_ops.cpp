@@ -15,9 +15,9 @@
 //                                              F.silu(gate) * up rounds
 //   rope_write_kv(qkv, cos, sin, ...)         q and k rotated (bit-identical to torch's chain),
 //                                              k and v written to their cache slots
-//   sample_rows(x, rows, temps, min_p, u)      one draw from softmax(x[row] / T), min-p applied,
-//                                              by the inverse CDF at u (sampler.py's `_draw`, in
-//                                              one pass of exp and a partial scan, no tensors)
+//   sample_rows(x, rows, temps, top_k, top_p,  one draw from softmax(x[row] / T) with top-k, top-p
+//               min_p, u)                      and min-p, by the inverse CDF at u (sampler.py's
+//                                              `_filter` then `_draw`, without sorting the row)
 // The norms' sums of squares run in another order than torch's mean, and silu's exp is
 // glibc's, not Sleef's: those two differ from torch in the last bit now and then.
 #include <ATen/Parallel.h>
@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -301,24 +302,132 @@ void rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tenso
   else rope_write_kv_of<uint16_t>(qkv, cos, sin, H, KVH, k_cache, v_cache, slots, q_out);
 }
 
-// ---- sampling: the inverse CDF of softmax(x / T), min-p applied --------------------------
-// Per row: m = max x; e_i = exp((x_i - m) / T), 0 below min_p (e of the maximum is 1, so min-p's
-// "p >= min_p * p_max" is e >= min_p) and 0 for x = -inf (a masked token); the first i whose
-// cumulative e exceeds u * sum e. Sums of 64-entry chunks are kept (double), so the scan walks
-// chunks, then one chunk. A row with a NaN takes its first NaN (argmax_rows' rule: the caller's
-// NaN check sees it); a row of -inf (all masked) its argmax, 0.
+// ---- sampling: the inverse CDF of softmax(x / T), top-k, top-p and min-p applied ---------------
+// Per row: m = max x; e_i = exp((x_i - m) / T), 0 for x = -inf (a masked token) and 80 below m.
+// Then sampler._filter's filters in its order, on e (unnormalized: each filter's test is
+// invariant to the normalization):
+//   top-k: the k largest e;
+//   top-p: of those, in decreasing e, a token stays while the mass before it is < top_p * their sum;
+//   min-p: e >= min_p (the maximum's e is 1, so "p >= min_p * p_max").
+// The k largest and the nucleus are found without sorting the row: a histogram of -d (d the
+// scaled logit, log e) in bins of 1/16 gives the bin where each cut falls, and only that bin's
+// tokens are sorted (by e, then index). Last, the first i whose cumulative kept e exceeds
+// u * their sum: chunk sums of 64 entries (double), then one chunk. A row with a NaN takes its
+// first NaN (argmax_rows' rule: the caller's NaN check sees it); a row of -inf (all masked) 0.
 constexpr int64_t CHUNK = 64;
+constexpr int NBINS = 1024;  // -d in [0, 64) by 1/16, the rest (e < 1.6e-28) in the last bin
+constexpr float BINS_PER_UNIT = 16.f;
+
+struct RowScratch {
+  std::vector<float> e;
+  std::vector<uint16_t> bin;
+  std::vector<double> sums;
+  std::vector<int32_t> count;
+  std::vector<double> mass;
+  std::vector<std::pair<float, int64_t>> sel;
+};
+
+// The kept set after top-k and top-p: every token of a bin < cut_bin, and those of cut_bin that
+// sort (e descending, index ascending) at or before (cut_e, cut_i). cut_bin = NBINS: no cut.
+struct Cut {
+  int cut_bin = NBINS;
+  float cut_e = 0.f;
+  int64_t cut_i = 0;
+};
+
+inline bool sorts_before(const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+  return a.first > b.first || (a.first == b.first && a.second < b.second);
+}
+
+// the sorted tokens of bin `b` (e descending, index ascending)
+void bin_tokens(RowScratch& w, int64_t n, int b) {
+  w.sel.clear();
+  for (int64_t i = 0; i < n; ++i)
+    if (w.bin[i] == b && w.e[i] > 0.f) w.sel.emplace_back(w.e[i], i);
+  std::sort(w.sel.begin(), w.sel.end(), sorts_before);
+}
+
+Cut truncate(RowScratch& w, int64_t n, int64_t top_k, float top_p) {
+  int32_t* count = w.count.data();
+  double* mass = w.mass.data();
+  std::fill(count, count + NBINS, 0);
+  std::fill(mass, mass + NBINS, 0.0);
+  int64_t live = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = w.e[i];
+    if (v > 0.f) {
+      count[w.bin[i]] += 1;
+      mass[w.bin[i]] += v;
+      ++live;
+    }
+  }
+  Cut cut;
+  // top-k: the bin where the k-th largest falls, and how many of that bin stay
+  double kept_mass = 0.0;
+  for (int b = 0; b < NBINS; ++b) kept_mass += mass[b];
+  int64_t kbin_keep = -1;  // tokens of cut.cut_bin kept by top-k (-1: top-k cuts nothing)
+  if (top_k > 0 && top_k < live) {
+    int64_t before = 0;
+    int b = 0;
+    for (; before + count[b] < top_k; ++b) before += count[b];
+    kbin_keep = top_k - before;
+    bin_tokens(w, n, b);
+    kept_mass = 0.0;
+    for (int c = 0; c < b; ++c) kept_mass += mass[c];
+    for (int64_t j = 0; j < kbin_keep; ++j) kept_mass += w.sel[j].first;
+    cut.cut_bin = b;
+    cut.cut_e = w.sel[kbin_keep - 1].first;
+    cut.cut_i = w.sel[kbin_keep - 1].second;
+  }
+  if (top_p < 1.f) {
+    const double target = static_cast<double>(top_p) * kept_mass;
+    double before = 0.0;
+    const int last = cut.cut_bin < NBINS ? cut.cut_bin : NBINS - 1;
+    for (int b = 0; b <= last; ++b) {
+      const bool kbin = b == cut.cut_bin;
+      double bm = mass[b];
+      if (kbin) {
+        bm = 0.0;
+        for (int64_t j = 0; j < kbin_keep; ++j) bm += w.sel[j].first;
+      }
+      if (before + bm < target) {  // the whole bin stays (and the next bin's first token too)
+        before += bm;
+        continue;
+      }
+      // the nucleus ends in this bin: its tokens in order while the mass before them < target
+      if (!kbin) bin_tokens(w, n, b);
+      const int64_t avail = kbin ? kbin_keep : static_cast<int64_t>(w.sel.size());
+      int64_t j = 0;
+      while (j < avail && before < target) before += w.sel[j++].first;
+      if (j > 0) {  // j >= 1: before < target held for the bin's first token
+        cut.cut_bin = b;
+        cut.cut_e = w.sel[j - 1].first;
+        cut.cut_i = w.sel[j - 1].second;
+      }
+      break;
+    }
+  }
+  return cut;
+}
 
 template <typename T>
 void sample_rows_of(const T* xp, int64_t rs, int64_t n, const int64_t* rows, int64_t R, const float* temps,
-                    const float* min_p, const double* u, int64_t* op) {
+                    const int64_t* top_k, const float* top_p, const float* min_p, const double* u, int64_t* op) {
   at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> e;
-    thread_local std::vector<double> sums;
+    thread_local RowScratch w;
     const int64_t nchunks = (n + CHUNK - 1) / CHUNK;
-    if (static_cast<int64_t>(e.size()) < n) e.resize(n);
-    if (static_cast<int64_t>(sums.size()) < nchunks) sums.resize(nchunks);
-    float* ep = e.data();
+    if (static_cast<int64_t>(w.e.size()) < n) {
+      w.e.resize(n);
+      w.bin.resize(n);
+    }
+    if (static_cast<int64_t>(w.sums.size()) < nchunks) w.sums.resize(nchunks);
+    if (w.count.empty()) {
+      w.count.resize(NBINS);
+      w.mass.resize(NBINS);
+    }
+    float* ep = w.e.data();
+    uint16_t* bp = w.bin.data();
+    double* sums = w.sums.data();
     for (int64_t k = begin; k < end; ++k) {
       const T* row = xp + rows[k] * rs;
       float m = as_f(row[0]);
@@ -342,23 +451,55 @@ void sample_rows_of(const T* xp, int64_t rs, int64_t n, const int64_t* rows, int
         continue;
       }
       const float inv_t = 1.f / temps[k], floor_e = min_p[k];
+      const bool truncates = top_k[k] > 0 || top_p[k] < 1.f;
       double total = 0.0;
-      for (int64_t c = 0; c < nchunks; ++c) {
-        const int64_t b = c * CHUNK, en = std::min(n, b + CHUNK);
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t i = b; i < en; ++i) {
+      // x == m first: (m - m) * inv_t is 0 even for an infinite inv_t. A token more than 80 below
+      // the maximum (d < -80: a probability under 2e-35, never drawn by a double u) is 0, as is
+      // -inf, and exp's argument is clamped: libmvec's vector expf redoes a whole vector in
+      // scalar code, with errno, when a lane is near underflow (a row of 48k masked tokens, an
+      // allow list's, took 4x as long). A product, not a select: gcc saw that a select's taken
+      // side needs no clamp, dropped it, and called exp on -inf again.
+      if (truncates) {  // e and its histogram bin
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) {
           const float x = as_f(row[i]);
-          // x == m first: (m - m) * inv_t is 0 even for an infinite inv_t; -inf and far-below
-          // values are exactly 0 (exp(-87) would be a denormal's worth of mass on a masked token)
           const float d = x == m ? 0.f : (x - m) * inv_t;
-          float v = d < -87.f ? 0.f : expf(d);
-          v = v < floor_e ? 0.f : v;
-          ep[i] = v;
-          s += v;
+          ep[i] = expf(std::max(d, -80.f)) * static_cast<float>(d >= -80.f);
+          bp[i] = static_cast<uint16_t>(std::min(-d * BINS_PER_UNIT, static_cast<float>(NBINS - 1)));
         }
-        sums[c] = s;
-        total += s;
+      } else {  // e with min-p, and its chunk sums: all there is to do
+        for (int64_t c = 0; c < nchunks; ++c) {
+          const int64_t b = c * CHUNK, en = std::min(n, b + CHUNK);
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t i = b; i < en; ++i) {
+            const float x = as_f(row[i]);
+            const float d = x == m ? 0.f : (x - m) * inv_t;
+            const float v = expf(std::max(d, -80.f)) * static_cast<float>(d >= -80.f);
+            ep[i] = v < floor_e ? 0.f : v;
+            s += ep[i];
+          }
+          sums[c] = s;
+          total += s;
+        }
+      }
+      if (truncates) {  // the filters' cut, then the kept e (min-p too) and their chunk sums again
+        const Cut cut = truncate(w, n, top_k[k], top_p[k]);
+        total = 0.0;
+        for (int64_t c = 0; c < nchunks; ++c) {
+          const int64_t b = c * CHUNK, en = std::min(n, b + CHUNK);
+          float s = 0.f;
+          for (int64_t i = b; i < en; ++i) {
+            const int bin = bp[i];
+            const bool in = bin < cut.cut_bin ||
+                            (bin == cut.cut_bin && (ep[i] > cut.cut_e || (ep[i] == cut.cut_e && i <= cut.cut_i)));
+            const float v = in && ep[i] >= floor_e ? ep[i] : 0.f;
+            ep[i] = v;
+            s += v;
+          }
+          sums[c] = s;
+          total += s;
+        }
       }
       const double target = u[k] * total;
       int64_t at = -1;
@@ -393,40 +534,48 @@ void sample_rows_of(const T* xp, int64_t rs, int64_t n, const int64_t* rows, int
   });
 }
 
-at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& temps, const at::Tensor& min_p,
-                       const at::Tensor& u) {
+at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& temps, const at::Tensor& top_k,
+                       const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& u) {
   TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
                   x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0,
               "sample_rows: a CPU float32 or bfloat16 [rows, n > 0] tensor, rows contiguous");
   const int64_t R = rows.numel(), n = x.size(1);
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous(),
               "sample_rows: rows a contiguous int64 vector");
-  TORCH_CHECK(temps.scalar_type() == at::kFloat && temps.dim() == 1 && temps.numel() == R && temps.is_contiguous() &&
-                  min_p.scalar_type() == at::kFloat && min_p.dim() == 1 && min_p.numel() == R &&
-                  min_p.is_contiguous() && u.scalar_type() == at::kDouble && u.dim() == 1 && u.numel() == R &&
-                  u.is_contiguous(),
-              "sample_rows: temps and min_p contiguous float32 [", R, "], u contiguous float64 [", R, "]");
+  auto vec = [R](const at::Tensor& t, at::ScalarType dt) {
+    return t.scalar_type() == dt && t.dim() == 1 && t.numel() == R && t.is_contiguous();
+  };
+  TORCH_CHECK(vec(temps, at::kFloat) && vec(top_k, at::kLong) && vec(top_p, at::kFloat) && vec(min_p, at::kFloat) &&
+                  vec(u, at::kDouble),
+              "sample_rows: temps, top_p and min_p contiguous float32 [", R, "], top_k int64 [", R,
+              "], u float64 [", R, "]");
   const int64_t* rp = rows.data_ptr<int64_t>();
   const float* tp = temps.data_ptr<float>();
+  const float* pp = top_p.data_ptr<float>();
+  const float* mp = min_p.data_ptr<float>();
   const double* up = u.data_ptr<double>();
   for (int64_t k = 0; k < R; ++k) {
     TORCH_CHECK(rp[k] >= 0 && rp[k] < x.size(0), "sample_rows: row ", rp[k], " outside [0, ", x.size(0), ")");
     // by the bits (the library is built with -ffast-math, under which NaN and infinity tests fold
     // away): a non-negative float's or double's bits order as its value, NaN and inf above all
-    uint32_t tb;
+    uint32_t tb, pb, mb;
     uint64_t ub;
     std::memcpy(&tb, &tp[k], sizeof tb);
+    std::memcpy(&pb, &pp[k], sizeof pb);
+    std::memcpy(&mb, &mp[k], sizeof mb);
     std::memcpy(&ub, &up[k], sizeof ub);
     TORCH_CHECK(tb != 0 && tb < 0x7f800000u, "sample_rows: temperature ", tp[k], " not finite and > 0");
+    TORCH_CHECK(pb != 0 && pb <= 0x3f800000u, "sample_rows: top_p ", pp[k], " outside (0, 1]");  // 1.0f's bits
+    TORCH_CHECK(mb <= 0x3f800000u, "sample_rows: min_p ", mp[k], " outside [0, 1]");
     TORCH_CHECK(ub < 0x3ff0000000000000ull, "sample_rows: u ", up[k], " outside [0, 1)");  // 1.0's bits
   }
   at::Tensor out = at::empty({R}, rows.options());
+  const int64_t* kp = top_k.data_ptr<int64_t>();
   if (x.scalar_type() == at::kFloat)
-    sample_rows_of(x.data_ptr<float>(), x.stride(0), n, rp, R, tp, min_p.data_ptr<float>(), up,
-                   out.data_ptr<int64_t>());
+    sample_rows_of(x.data_ptr<float>(), x.stride(0), n, rp, R, tp, kp, pp, mp, up, out.data_ptr<int64_t>());
   else
-    sample_rows_of(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), n, rp, R, tp,
-                   min_p.data_ptr<float>(), up, out.data_ptr<int64_t>());
+    sample_rows_of(reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), n, rp, R, tp, kp, pp, mp, up,
+                   out.data_ptr<int64_t>());
   return out;
 }
 
@@ -439,7 +588,7 @@ TORCH_LIBRARY_FRAGMENT(folio_cpu, m) {
   m.def("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()");
   m.def("rope_write_kv(Tensor qkv, Tensor cos, Tensor sin, int num_heads, int num_kv_heads, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slots, Tensor(c!) q_out) -> ()");
-  m.def("sample_rows(Tensor x, Tensor rows, Tensor temps, Tensor min_p, Tensor u) -> Tensor");
+  m.def("sample_rows(Tensor x, Tensor rows, Tensor temps, Tensor top_k, Tensor top_p, Tensor min_p, Tensor u) -> Tensor");
   m.impl("argmax_rows", c10::DispatchKey::CPU, TORCH_FN(argmax_rows));
   m.impl("sample_rows", c10::DispatchKey::CPU, TORCH_FN(sample_rows));
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));

@@ -256,24 +256,26 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     tokens = cpu_ops.argmax_rows(processed)  # torch.argmax's indices, ~10x faster on a CPU's vocab rows
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
-        dense = _sample_truncated(processed, tokens, [i for i in sampled if _truncates(params[i])], params,
-                                  generators)
-        plain = [i for i in sampled if not _truncates(params[i])]
-        if plain:  # temperature and min-p only: the fused inverse CDF (cpu_ops.sample_rows)
-            idx = torch.tensor(plain, dtype=torch.long, device=logits.device)
-            got = cpu_ops.sample_rows(processed, idx,
-                                      torch.tensor([params[i].temperature for i in plain], dtype=torch.float32),
-                                      torch.tensor([params[i].min_p for i in plain], dtype=torch.float32),
-                                      _uniforms([generators[i] for i in plain]))
-            if got is None:
-                dense += plain
-            else:
-                tokens.index_copy_(0, idx, got)
-        if dense:
-            dense.sort()
-            idx = torch.tensor(dense, dtype=torch.long, device=logits.device)
-            probs = _filter(processed.index_select(0, idx), [params[i] for i in dense])
-            tokens.index_copy_(0, idx, _draw(probs, [generators[i] for i in dense]))
+        # every filter and the draw in one C++ pass per row (cpu_ops.sample_rows); the torch
+        # path below where the library is not built (and as its oracle in the tests)
+        idx = torch.tensor(sampled, dtype=torch.long, device=logits.device)
+        ps = [params[i] for i in sampled]
+        got = cpu_ops.sample_rows(processed, idx, torch.tensor([p.temperature for p in ps], dtype=torch.float32),
+                                  torch.tensor([p.top_k for p in ps], dtype=torch.long),
+                                  torch.tensor([p.top_p for p in ps], dtype=torch.float32),
+                                  torch.tensor([p.min_p for p in ps], dtype=torch.float32),
+                                  _uniforms([generators[i] for i in sampled]))
+        if got is not None:
+            tokens.index_copy_(0, idx, got)
+        else:
+            dense = _sample_truncated(processed, tokens, [i for i in sampled if _truncates(params[i])], params,
+                                      generators)
+            dense += [i for i in sampled if not _truncates(params[i])]
+            if dense:
+                dense.sort()
+                idx = torch.tensor(dense, dtype=torch.long, device=logits.device)
+                probs = _filter(processed.index_select(0, idx), [params[i] for i in dense])
+                tokens.index_copy_(0, idx, _draw(probs, [generators[i] for i in dense]))
     token_list = tokens.tolist()
     lps: list[dict[int, float] | None] = [None] * n
     want = [i for i, p in enumerate(params) if p.logprobs is not None]

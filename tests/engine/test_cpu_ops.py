@@ -215,7 +215,29 @@ def test_rope_write_kv_refuses_a_slot_past_the_cache_and_leaves_float16_to_the_c
                                  torch.tensor([0, 1])) is None
 
 
-# ---- sample_rows: the fused inverse CDF of softmax(x / T) with min-p ---------------------------
+# ---- sample_rows: the fused filters (top-k, top-p, min-p) and inverse CDF of softmax(x / T) ----
+def kept_set(x_row: torch.Tensor, t: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """float64 weights of the tokens sampler._filter keeps, unnormalized (e = exp((x - max) / T)),
+    tokens ordered by e descending then index ascending: the kernel's definition, in float64."""
+    x = x_row.double()
+    m = x.max()
+    e = torch.where(x == m, torch.ones_like(x), torch.exp((x - m) / t))
+    e = torch.where(x == float("-inf"), torch.zeros_like(x), e)
+    order = sorted(range(len(e)), key=lambda i: (-float(e[i]), i))
+    keep = torch.zeros_like(e, dtype=torch.bool)
+    live = [i for i in order if e[i] > 0]
+    if top_k > 0:
+        live = live[:top_k]
+    total = float(sum(e[i] for i in live))
+    before = 0.0
+    for i in live:
+        if top_p < 1.0 and before >= top_p * total:
+            break
+        keep[i] = True
+        before += float(e[i])
+    return torch.where(keep & (e >= min_p), e, torch.zeros_like(e))
+
+
 @st.composite
 def sampling_case(draw):
     rows, n = draw(st.integers(1, 5)), draw(st.sampled_from([1, 2, 63, 64, 65, 300, 3000]))
@@ -224,33 +246,59 @@ def sampling_case(draw):
     masked = torch.rand(rows, n, generator=g) < draw(st.sampled_from([0.0, 0.5, 0.99]))
     x = x.masked_fill(masked, float("-inf"))
     x[:, draw(st.integers(0, n - 1))] = 1.0  # at least one token left in every row
+    if draw(st.booleans()):  # ties: values on a coarse grid
+        x = (x * 2).round() / 2
     pick = draw(st.lists(st.integers(0, rows - 1), min_size=1, max_size=6))
     temps = [draw(st.sampled_from([0.05, 0.7, 1.0, 2.5])) for _ in pick]
+    top_ks = [draw(st.sampled_from([0, 0, 1, 2, 7, 50, 5000])) for _ in pick]
+    top_ps = [draw(st.sampled_from([1.0, 1.0, 0.95, 0.5, 0.1, 1e-6])) for _ in pick]
     min_ps = [draw(st.sampled_from([0.0, 0.0, 0.05, 0.5])) for _ in pick]
     us = [draw(st.one_of(st.sampled_from([0.0, 0.5, 1 - 2**-53]), st.floats(0, 1, exclude_max=True))) for _ in pick]
-    return x, pick, temps, min_ps, us
+    return x, pick, temps, top_ks, top_ps, min_ps, us
 
 
-@settings(max_examples=150, deadline=None, derandomize=True)
+def draw_rows(x, pick, temps, top_ks, top_ps, min_ps, us):
+    return cpu_ops.sample_rows(x, torch.tensor(pick), torch.tensor(temps), torch.tensor(top_ks),
+                               torch.tensor(top_ps), torch.tensor(min_ps), torch.tensor(us, dtype=torch.float64))
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
 @given(sampling_case(), st.sampled_from([torch.float32, torch.bfloat16]))
 def test_sample_rows_is_the_inverse_cdf_of_the_filtered_distribution(case, dtype):
-    """The drawn token is the one whose cumulative mass (the torch path's _filter, in float64)
-    straddles u * total, to float32 rounding; never a masked token nor one below min-p."""
+    """The drawn token is kept by the filters (their definition in float64, `kept_set`) and is
+    the one whose cumulative kept mass straddles u * total, to float32 rounding."""
+    x, pick, temps, top_ks, top_ps, min_ps, us = case
+    x = x.to(dtype)
+    got = draw_rows(x, pick, temps, top_ks, top_ps, min_ps, us)
+    for k, r in enumerate(pick):
+        w = kept_set(x[r].float(), temps[k], top_ks[k], top_ps[k], min_ps[k])
+        i = int(got[k])
+        assert w[i] > 0, (k, i)
+        cdf = w.cumsum(0)
+        target = us[k] * float(cdf[-1])
+        lo = float(cdf[i - 1]) if i else 0.0
+        tol = 1e-5 * float(cdf[-1])
+        assert lo - tol <= target <= float(cdf[i]) + tol, (k, i, lo, target, float(cdf[i]))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**31), vocab=st.sampled_from([7, 300, 3000]), scale=st.sampled_from([0.3, 3.0, 12.0]),
+       t=st.sampled_from([0.5, 1.0, 1.7]), top_k=st.sampled_from([0, 1, 5, 50, 2000]),
+       top_p=st.sampled_from([1.0, 0.95, 0.5, 0.1]), min_p=st.sampled_from([0.0, 0.1]))
+def test_sample_rows_keeps_what_the_torch_filters_keep(seed, vocab, scale, t, top_k, top_p, min_p):
+    """The set the kernel can draw from is _filter's (the torch path's, sorted in float32): with
+    u swept over [0, 1), the tokens drawn are those _filter gives a probability, bar tokens at
+    the top-p boundary within float32 rounding of it."""
     from folio.worker.sampler import _filter
     from folio.worker.sampling_params import SamplingParams
 
-    x, pick, temps, min_ps, us = case
-    x = x.to(dtype)
-    got = cpu_ops.sample_rows(x, torch.tensor(pick), torch.tensor(temps), torch.tensor(min_ps),
-                              torch.tensor(us, dtype=torch.float64))
-    for k, r in enumerate(pick):
-        probs = _filter(x[r:r + 1].float(), [SamplingParams(temperature=temps[k], min_p=min_ps[k])])[0].double()
-        i = int(got[k])
-        assert probs[i] > 0, (k, i)
-        cdf = probs.cumsum(0)
-        target = us[k] * float(cdf[-1])
-        lo = float(cdf[i - 1]) if i else 0.0
-        assert lo - 1e-5 <= target <= float(cdf[i]) + 1e-5, (k, i, lo, target, float(cdf[i]))
+    x = torch.randn(1, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+    want = _filter(x, [SamplingParams(temperature=t, top_k=top_k, top_p=top_p, min_p=min_p)])[0]
+    n = 2000
+    us = ((torch.arange(n, dtype=torch.float64) + 0.5) / n).tolist()
+    got = draw_rows(x, [0] * n, [t] * n, [top_k] * n, [top_p] * n, [min_p] * n, us)
+    share = torch.bincount(got, minlength=vocab).double() / n
+    assert float((share - want.double()).abs().max()) <= 2 / n + 1e-4 * (top_p < 1.0)
 
 
 def test_sample_rows_draws_each_token_with_its_probability():
@@ -262,12 +310,12 @@ def test_sample_rows_draws_each_token_with_its_probability():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 49152, generator=g) * 4
     n = 4000
-    us = (torch.arange(n, dtype=torch.float64) + 0.5) / n
-    for r, (t, m) in enumerate([(1.0, 0.0), (0.6, 0.02)]):
-        got = cpu_ops.sample_rows(x, torch.full((n,), r), torch.full((n,), t), torch.full((n,), m), us)
+    us = ((torch.arange(n, dtype=torch.float64) + 0.5) / n).tolist()
+    for r, (t, k, p, m) in enumerate([(1.0, 0, 1.0, 0.0), (0.6, 0, 1.0, 0.02), (1.0, 0, 0.9, 0.0), (0.8, 40, 0.95, 0.0)]):
+        got = draw_rows(x, [r % 2] * n, [t] * n, [k] * n, [p] * n, [m] * n, us)
         share = torch.bincount(got, minlength=x.shape[1]).double() / n
-        want = _filter(x[r:r + 1], [SamplingParams(temperature=t, min_p=m)])[0].double()
-        assert float((share - want).abs().max()) <= 2 / n
+        want = _filter(x[r % 2:r % 2 + 1], [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)])[0].double()
+        assert float((share - want).abs().max()) <= 2 / n + 1e-4, (t, k, p, m)
         assert bool((want[got] > 0).all())
 
 
@@ -275,17 +323,24 @@ def test_sample_rows_nan_and_masked_rows_and_bad_input():
     x = torch.randn(3, 100)
     x[0, 7] = x[0, 9] = float("nan")
     x[1] = float("-inf")
-    one = lambda r, t=1.0, u=0.5: torch.ops.folio_cpu.sample_rows(  # noqa: E731
-        x, torch.tensor([r]), torch.tensor([t]), torch.tensor([0.0]), torch.tensor([u], dtype=torch.float64))
+
+    def one(r, t=1.0, u=0.5, k=0, p=1.0, m=0.0):
+        return torch.ops.folio_cpu.sample_rows(x, torch.tensor([r]), torch.tensor([t]), torch.tensor([k]),
+                                               torch.tensor([p]), torch.tensor([m]),
+                                               torch.tensor([u], dtype=torch.float64))
     assert int(one(0)) == 7  # the first NaN, as argmax_rows (the engine's NaN check sees it)
-    assert int(one(1)) == 0  # nothing to draw from: the argmax
+    assert int(one(0, k=3, p=0.5)) == 7
+    assert int(one(1)) == 0 and int(one(1, k=5, p=0.3)) == 0  # nothing to draw from: 0
     assert int(one(2, t=1e-30)) == int(x[2].argmax())  # a tiny temperature is the argmax
+    assert int(one(2, k=1, u=0.99)) == int(x[2].argmax()) == int(one(2, p=1e-6, u=0.99))
     for bad in (dict(r=3), dict(r=-1), dict(r=2, t=0.0), dict(r=2, t=float("inf")), dict(r=2, t=-1.0),
-                dict(r=2, u=1.0), dict(r=2, u=-0.5), dict(r=2, u=float("nan"))):
+                dict(r=2, u=1.0), dict(r=2, u=-0.5), dict(r=2, u=float("nan")), dict(r=2, p=0.0),
+                dict(r=2, p=1.5), dict(r=2, p=float("nan")), dict(r=2, m=-0.1), dict(r=2, m=2.0),
+                dict(r=2, m=float("nan"))):
         with pytest.raises(RuntimeError, match="sample_rows"):
             one(**bad)
-    with pytest.raises(RuntimeError, match="sample_rows"):
-        torch.ops.folio_cpu.sample_rows(x, torch.tensor([0, 1]), torch.tensor([1.0]), torch.tensor([0.0, 0.0]),
+    with pytest.raises(RuntimeError, match="sample_rows"):  # vectors of different lengths
+        torch.ops.folio_cpu.sample_rows(x, torch.tensor([0, 1]), torch.tensor([1.0]), torch.tensor([0, 0]),
+                                        torch.tensor([1.0, 1.0]), torch.tensor([0.0, 0.0]),
                                         torch.tensor([0.5, 0.5], dtype=torch.float64))
-    assert cpu_ops.sample_rows(x.half(), torch.tensor([2]), torch.tensor([1.0]), torch.tensor([0.0]),
-                               torch.tensor([0.5], dtype=torch.float64)) is None  # float16: the torch path
+    assert draw_rows(x.half(), [2], [1.0], [0], [1.0], [0.0], [0.5]) is None  # float16: the torch path
