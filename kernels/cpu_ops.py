@@ -35,15 +35,18 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+def can_sample(x: torch.Tensor) -> bool:
+    """sample_rows takes `x` (else the caller's torch path)."""
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 and x.numel() > 0
+            and x.stride(1) == 1 and available())
+
+
 def sample_rows(x: torch.Tensor, rows: torch.Tensor, temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                 min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
     """One token per row of x[rows] drawn from softmax(x / temps) with top_k, top_p and min_p,
     at the uniforms `u` (float64, [0, 1)) by the inverse CDF, as sampler._draw(sampler._filter(...))
-    draws; None where the library cannot (the caller's torch path then)."""
-    if (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 and x.numel()
-            and x.stride(1) == 1 and available()):
-        return torch.ops.folio_cpu.sample_rows(x, rows, temps, top_k, top_p, min_p, u)
-    return None
+    draws; None where the library cannot (can_sample)."""
+    return torch.ops.folio_cpu.sample_rows(x, rows, temps, top_k, top_p, min_p, u) if can_sample(x) else None
 
 
 def _fused(*ts: torch.Tensor) -> bool:

@@ -4,10 +4,10 @@ Rows whose requests ask for it first have their logits processed (`process_logit
 one masked or scattered tensor operation per kind over all the rows that use it, in vLLM's
 order): the structured-output grammar's mask (guided.py), allowed_token_ids, bad words,
 logit_bias, min_tokens, then the repetition, frequency and presence penalties (`_penalize`).
-Greedy rows then take the argmax. Sampled rows go through temperature, top-k, top-p and min-p
-(batched over rows), then each row draws with its own generator, so a seeded request gets the
-same tokens whatever else shares its batch. Logprobs are those of the raw logits (vLLM's
-default `raw_logprobs`).
+Greedy rows then take the argmax. Sampled rows go through temperature, top-k, top-p and min-p,
+then draw by the inverse CDF at one uniform from their own generator (a seeded request gets the
+same tokens whatever shares its batch): in C++ (cpu_ops.sample_rows), else in torch, alike.
+Logprobs are those of the raw logits (vLLM's default `raw_logprobs`).
 """
 
 from __future__ import annotations
@@ -173,11 +173,9 @@ def _uniforms(generators: list) -> torch.Tensor:
 
 
 def _draw(probs: torch.Tensor, generators: list) -> torch.Tensor:
-    """One draw per row of `probs` (non-negative, each row with some mass) by the inverse CDF:
-    the first token whose cumulative mass exceeds u * total, u from `_uniforms` (never a token
-    of probability 0). The exponential race it replaced (argmax(p / E), E ~ Exp(1)) drew a
-    random number per vocabulary entry: torch's exponential_ costs ~19 ns an element on a CPU,
-    5 of the 5.5 ms of a 32 x 8,192 draw; this takes 0.5."""
+    """One draw per row of `probs` (non-negative, some mass) by the inverse CDF: the first token
+    whose cumulative mass exceeds u * total, u from `_uniforms` (never one of probability 0).
+    The exponential race before it drew a number per vocabulary entry (torch: ~19 ns each)."""
     u = _uniforms(generators)[:, None]
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
@@ -237,10 +235,28 @@ def _sample_truncated(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int
     here = [r for r, good in enumerate(ok) if good]
     if here:
         sel = torch.tensor(here, dtype=torch.long, device=device)
-        pick = _draw(probs.index_select(0, sel), [generators[rows[r]] for r in here])
-        chosen = ids.index_select(0, sel).gather(1, pick[:, None])[:, 0]
+        # the CDF in vocabulary order, as the dense path and the C++ sampler invert it
+        cand, order = ids.index_select(0, sel).sort(dim=-1)
+        pick = _draw(probs.index_select(0, sel).gather(1, order), [generators[rows[r]] for r in here])
+        chosen = cand.gather(1, pick[:, None])[:, 0]
         tokens.index_copy_(0, idx.index_select(0, sel), chosen)
     return [rows[r] for r, good in enumerate(ok) if not good]
+
+
+def _draw_rows(x: torch.Tensor, tokens: torch.Tensor, rows: list[int], params: list, generators: list) -> bool:
+    """Draw `rows` of x into `tokens`, every filter and the draw in one C++ pass per row
+    (cpu_ops.sample_rows). False, with no generator touched, where the library cannot."""
+    if not cpu_ops.can_sample(x):
+        return False
+    idx = torch.tensor(rows, dtype=torch.long, device=x.device)
+    ps = [params[i] for i in rows]
+    got = cpu_ops.sample_rows(x, idx, torch.tensor([p.temperature for p in ps], dtype=torch.float32),
+                              torch.tensor([p.top_k for p in ps], dtype=torch.long),
+                              torch.tensor([p.top_p for p in ps], dtype=torch.float32),
+                              torch.tensor([p.min_p for p in ps], dtype=torch.float32),
+                              _uniforms([generators[i] for i in rows]))
+    tokens.index_copy_(0, idx, got)
+    return True
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
@@ -248,34 +264,26 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     """logits [N, V] (any float dtype) -> one token per row. `histories` (each row's tokens so
     far) and `eos_ids` are needed by rows whose params process logits (penalties, min_tokens...)."""
     n = logits.shape[0]
-    if all(p.greedy and p.logprobs is None and not p.processes_logits for p in params):
-        # plain greedy rows: the argmax of the model's own logits (exact in any dtype), no float copy
-        return SampleResult(cpu_ops.argmax_rows(logits).tolist(), [None] * n)
+    as_is = not any(p.logprobs is not None or p.processes_logits for p in params)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if as_is and (not sampled or logits.dtype in (torch.float32, torch.bfloat16)):
+        # nothing to process: the kernels read the logits as they are (bfloat16 too: no float copy)
+        tokens = cpu_ops.argmax_rows(logits)
+        if not sampled or _draw_rows(logits, tokens, sampled, params, generators):
+            return SampleResult(tokens.tolist(), [None] * n)
     logits = logits.float()
     processed = process_logits(logits, params, histories, eos_ids, grammars)
     tokens = cpu_ops.argmax_rows(processed)  # torch.argmax's indices, ~10x faster on a CPU's vocab rows
-    sampled = [i for i, p in enumerate(params) if not p.greedy]
-    if sampled:
-        # every filter and the draw in one C++ pass per row (cpu_ops.sample_rows); the torch
-        # path below where the library is not built (and as its oracle in the tests)
-        idx = torch.tensor(sampled, dtype=torch.long, device=logits.device)
-        ps = [params[i] for i in sampled]
-        got = cpu_ops.sample_rows(processed, idx, torch.tensor([p.temperature for p in ps], dtype=torch.float32),
-                                  torch.tensor([p.top_k for p in ps], dtype=torch.long),
-                                  torch.tensor([p.top_p for p in ps], dtype=torch.float32),
-                                  torch.tensor([p.min_p for p in ps], dtype=torch.float32),
-                                  _uniforms([generators[i] for i in sampled]))
-        if got is not None:
-            tokens.index_copy_(0, idx, got)
-        else:
-            dense = _sample_truncated(processed, tokens, [i for i in sampled if _truncates(params[i])], params,
-                                      generators)
-            dense += [i for i in sampled if not _truncates(params[i])]
-            if dense:
-                dense.sort()
-                idx = torch.tensor(dense, dtype=torch.long, device=logits.device)
-                probs = _filter(processed.index_select(0, idx), [params[i] for i in dense])
-                tokens.index_copy_(0, idx, _draw(probs, [generators[i] for i in dense]))
+    if sampled and not _draw_rows(processed, tokens, sampled, params, generators):
+        # the torch path, where the library is not built (and the kernel's oracle in the tests)
+        dense = _sample_truncated(processed, tokens, [i for i in sampled if _truncates(params[i])], params,
+                                  generators)
+        dense += [i for i in sampled if not _truncates(params[i])]
+        if dense:
+            dense.sort()
+            idx = torch.tensor(dense, dtype=torch.long, device=logits.device)
+            probs = _filter(processed.index_select(0, idx), [params[i] for i in dense])
+            tokens.index_copy_(0, idx, _draw(probs, [generators[i] for i in dense]))
     token_list = tokens.tolist()
     lps: list[dict[int, float] | None] = [None] * n
     want = [i for i, p in enumerate(params) if p.logprobs is not None]

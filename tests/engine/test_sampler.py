@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from folio.worker.sampler import sample
@@ -28,6 +30,34 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     in_batch = sample(logits, [SamplingParams(temperature=1.0), p, SamplingParams(temperature=0.0)],
                       [gen(99), g, None]).token_ids[1]
     assert alone[0] == in_batch
+
+
+def test_the_kernel_path_and_the_torch_path_draw_alike(monkeypatch):
+    """Every sampled row through the C++ sampler (bfloat16 logits read as they are, float32,
+    and float32 after a logits processor) and through the torch path (the library off): with
+    the same per-row seeds, the same tokens (both take one uniform a row and invert the same
+    CDF, up to float rounding at a boundary: these logits have no near-ties there), and a
+    seeded row draws the same beside greedy rows, processed rows and rows with logprobs."""
+    from folio.kernels import cpu_ops
+
+    logits = (torch.randn(6, 300, generator=gen(2)) * 3).bfloat16()
+    ps = [SamplingParams(temperature=0.8, top_p=0.9, seed=1), SamplingParams(temperature=0.0),
+          SamplingParams(temperature=1.3, top_k=20, seed=2), SamplingParams(temperature=1.0, min_p=0.05, seed=3),
+          SamplingParams(temperature=0.5, seed=4), SamplingParams(temperature=1.0, top_k=5, top_p=0.5, seed=5)]
+
+    def run(x, params, on=True):
+        if not on:
+            monkeypatch.setattr(cpu_ops, "can_sample", lambda x: False)
+        try:
+            histories = [SimpleNamespace(token_ids=[1, 2, 3], num_prompt_tokens=3)] * len(params)
+            return sample(x, params, [gen(s) for s in range(len(params))], histories).token_ids
+        finally:
+            monkeypatch.undo()
+    as_is = run(logits, ps)
+    assert as_is == run(logits.float(), ps) == run(logits.float(), ps, on=False)
+    mixed = [ps[0], ps[1], SamplingParams(temperature=1.3, top_k=20, seed=2, logprobs=2), ps[3],
+             SamplingParams(temperature=0.5, seed=4, logit_bias={7: 0.0}), ps[5]]
+    assert run(logits, mixed) == as_is  # the processed path (float copy), same draws
 
 
 def test_distribution_follows_softmax_with_temperature():
