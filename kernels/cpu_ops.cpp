@@ -60,22 +60,37 @@ inline bool is_nan(float v) {
 }
 inline bool is_nan(uint16_t v) { return (v & 0x7fffu) > 0x7f80u; }
 
+// A row's maximum into m; true when the row holds a NaN (the maximum then means nothing).
+template <typename T>
+inline bool max_or_nan(const T* row, int64_t n, float& m) {
+  float mx = as_f(row[0]);
+  uint32_t nan = 0;
+#pragma omp simd reduction(max : mx) reduction(| : nan)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = as_f(row[i]);
+    mx = v > mx ? v : mx;
+    nan |= static_cast<uint32_t>(is_nan(row[i]));
+  }
+  m = mx;
+  return nan != 0;
+}
+
+template <typename T>
+inline int64_t first_nan(const T* row) {  // of a row that holds one
+  int64_t at = 0;
+  while (!is_nan(row[at])) ++at;
+  return at;
+}
+
 template <typename T>
 void argmax_rows_of(const T* xp, int64_t R, int64_t n, int64_t rs, int64_t* op) {
   at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* row = xp + r * rs;
-      float m = as_f(row[0]);
-      uint32_t nan = 0;
-#pragma omp simd reduction(max : m) reduction(| : nan)
-      for (int64_t i = 0; i < n; ++i) {
-        const float v = as_f(row[i]);
-        m = v > m ? v : m;
-        nan |= static_cast<uint32_t>(is_nan(row[i]));
-      }
+      float m;
       int64_t at = 0;
-      if (nan) {
-        while (!is_nan(row[at])) ++at;
+      if (max_or_nan(row, n, m)) {
+        at = first_nan(row);
       } else {
         // the first m: 64 values at a time tested together, then that chunk one by one
         for (; at < n; at += 64) {
@@ -430,18 +445,9 @@ void sample_rows_of(const T* xp, int64_t rs, int64_t n, const int64_t* rows, int
     double* sums = w.sums.data();
     for (int64_t k = begin; k < end; ++k) {
       const T* row = xp + rows[k] * rs;
-      float m = as_f(row[0]);
-      uint32_t nan = 0;
-#pragma omp simd reduction(max : m) reduction(| : nan)
-      for (int64_t i = 0; i < n; ++i) {
-        const float v = as_f(row[i]);
-        m = v > m ? v : m;
-        nan |= static_cast<uint32_t>(is_nan(row[i]));
-      }
-      if (nan) {
-        int64_t at = 0;
-        while (!is_nan(row[at])) ++at;
-        op[k] = at;
+      float m;
+      if (max_or_nan(row, n, m)) {
+        op[k] = first_nan(row);
         continue;
       }
       uint32_t mb;
@@ -566,7 +572,7 @@ at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& rows, const at::Te
     std::memcpy(&ub, &up[k], sizeof ub);
     TORCH_CHECK(tb != 0 && tb < 0x7f800000u, "sample_rows: temperature ", tp[k], " not finite and > 0");
     TORCH_CHECK(pb != 0 && pb <= 0x3f800000u, "sample_rows: top_p ", pp[k], " outside (0, 1]");  // 1.0f's bits
-    TORCH_CHECK(mb <= 0x3f800000u, "sample_rows: min_p ", mp[k], " outside [0, 1]");
+    TORCH_CHECK(mb <= 0x3f800000u || mb == 0x80000000u, "sample_rows: min_p ", mp[k], " outside [0, 1]");  // -0 too
     TORCH_CHECK(ub < 0x3ff0000000000000ull, "sample_rows: u ", up[k], " outside [0, 1)");  // 1.0's bits
   }
   at::Tensor out = at::empty({R}, rows.options());

@@ -165,8 +165,7 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
 
 
 def _uniforms(generators: list) -> torch.Tensor:
-    """One float64 uniform in [0, 1) per row, from the row's own generator (so a seeded row
-    draws the same whatever shares its batch); unseeded rows from torch's default one."""
+    """One float64 uniform in [0, 1) a row, from its own generator (else torch's default one)."""
     if all(g is None for g in generators):
         return torch.rand(len(generators), dtype=torch.float64)
     return torch.cat([torch.rand(1, dtype=torch.float64, generator=g) for g in generators])
@@ -244,16 +243,17 @@ def _sample_truncated(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int
 
 
 def _draw_rows(x: torch.Tensor, tokens: torch.Tensor, rows: list[int], params: list, generators: list) -> bool:
-    """Draw `rows` of x into `tokens`, every filter and the draw in one C++ pass per row
-    (cpu_ops.sample_rows). False, with no generator touched, where the library cannot."""
+    """Draw `rows` of x into `tokens`, all in one C++ pass a row (cpu_ops.sample_rows); False,
+    no generator touched, where the library cannot."""
     if not cpu_ops.can_sample(x):
         return False
     idx = torch.tensor(rows, dtype=torch.long, device=x.device)
     ps = [params[i] for i in rows]
-    got = cpu_ops.sample_rows(x, idx, torch.tensor([p.temperature for p in ps], dtype=torch.float32),
+    # in float32's range (a top_p of 1e-300 is 0 there, a temperature of 1e300 inf): the same filters
+    got = cpu_ops.sample_rows(x, idx, torch.tensor([min(p.temperature, 3.4e38) for p in ps], dtype=torch.float32),
                               torch.tensor([p.top_k for p in ps], dtype=torch.long),
-                              torch.tensor([p.top_p for p in ps], dtype=torch.float32),
-                              torch.tensor([p.min_p for p in ps], dtype=torch.float32),
+                              torch.tensor([max(p.top_p, 1e-38) for p in ps], dtype=torch.float32),
+                              torch.tensor([p.min_p + 0.0 for p in ps], dtype=torch.float32),
                               _uniforms([generators[i] for i in rows]))
     tokens.index_copy_(0, idx, got)
     return True

@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
+from hypothesis import given, settings, strategies as st
 
 from folio.worker.sampler import sample
 from folio.worker.sampling_params import SamplingParams
@@ -60,6 +61,21 @@ def test_the_kernel_path_and_the_torch_path_draw_alike(monkeypatch):
     assert run(logits, mixed) == as_is  # the processed path (float copy), same draws
 
 
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(t=st.one_of(st.floats(1e-3, 1e308), st.sampled_from([1e-5, 1.0, 1e38, 1e300])),
+       top_p=st.one_of(st.floats(0.0, 1.0, exclude_min=True), st.sampled_from([5e-324, 1e-300, 1e-40, 1.0])),
+       min_p=st.one_of(st.floats(0.0, 1.0), st.sampled_from([-0.0, 0.0, 1.0, 5e-324])),
+       top_k=st.sampled_from([0, 1, 3, 10**6]), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_every_value_the_params_accept_samples(t, top_p, min_p, top_k, dtype):
+    """Whatever SamplingParams accepts (here: extremes of temperature, top_p and min_p, -0.0)
+    the sampler draws with, a token the filters keep: never an error from the kernel (a min_p of
+    -0.0 sent over gRPC failed its request in the engine, 2026-12-05)."""
+    p = SamplingParams(temperature=t, top_p=top_p, min_p=min_p, top_k=top_k, seed=1)
+    logits = (torch.randn(2, 50, generator=gen(4)) * 3).to(dtype)
+    tok = sample(logits, [p, SamplingParams(temperature=0.0)], [gen(1), None]).token_ids
+    assert 0 <= tok[0] < 50 and tok[1] == int(logits[1].float().argmax())
+
+
 def test_distribution_follows_softmax_with_temperature():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(4000, 1)
     g = gen(11)
@@ -88,7 +104,6 @@ def test_logprobs_of_chosen_and_top():
     assert res.logprobs[0] == {1: float(lp[1]), 2: float(lp[2])}
 
 
-from hypothesis import given, settings, strategies as st  # noqa: E402
 
 from folio.worker import sampler as sampler_module  # noqa: E402
 
