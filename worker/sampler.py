@@ -287,14 +287,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     token_list = tokens.tolist()
     lps: list[dict[int, float] | None] = [None] * n
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
-    if want:
+    if want:  # batched: one gather, one topk (per row, topk took ~150 us of a 49,152-token row)
         rows = torch.log_softmax(logits.index_select(0, torch.tensor(want, dtype=torch.long)), dim=-1)
-        for r, i in enumerate(want):
-            d = {token_list[i]: float(rows[r, token_list[i]])}
-            k = params[i].logprobs
-            if k:
-                top = rows[r].topk(k)
-                for lp, t in zip(top.values.tolist(), top.indices.tolist()):
-                    d.setdefault(t, lp)
-            lps[i] = d
+        chosen = rows.gather(1, torch.tensor([[token_list[i]] for i in want])).flatten().tolist()
+        kmax = max(params[i].logprobs or 0 for i in want)  # > the vocabulary (past validation): raises
+        top_v, top_i = rows.topk(kmax, dim=-1) if kmax else (rows[:, :0], rows[:, :0])
+        for r, (i, vs, ts) in enumerate(zip(want, top_v.tolist(), top_i.tolist())):
+            lps[i] = {token_list[i]: chosen[r]}
+            for lp, t in zip(vs[:params[i].logprobs or 0], ts):
+                lps[i].setdefault(int(t), lp)
     return SampleResult(token_list, lps)
