@@ -425,6 +425,42 @@ Cut truncate(RowScratch& w, int64_t n, int64_t top_k, float top_p) {
   return cut;
 }
 
+// e outside `cut` or below min-p set to 0, the chunk sums of what stays; returns their total.
+double keep(float* ep, const uint16_t* bp, double* sums, int64_t n, int64_t nchunks, const Cut& cut, float floor_e) {
+  double total = 0.0;
+  for (int64_t c = 0; c < nchunks; ++c) {
+    const int64_t b = c * CHUNK, en = std::min(n, b + CHUNK);
+    float s = 0.f;
+    for (int64_t i = b; i < en; ++i) {
+      const int bin = bp[i];
+      const bool in = bin < cut.cut_bin ||
+                      (bin == cut.cut_bin && (ep[i] > cut.cut_e || (ep[i] == cut.cut_e && i <= cut.cut_i)));
+      ep[i] = in && ep[i] >= floor_e ? ep[i] : 0.f;
+      s += ep[i];
+    }
+    sums[c] = s;
+    total += s;
+  }
+  return total;
+}
+
+// The first token whose cumulative e exceeds `target` (< the total): chunk sums first, then one
+// chunk; the last token with mass when rounding put the target at the very end.
+int64_t invert(const float* ep, const double* sums, int64_t n, int64_t nchunks, double target) {
+  double acc = 0.0;
+  int64_t c = 0;
+  for (; c < nchunks && acc + sums[c] <= target; ++c) acc += sums[c];
+  if (c < nchunks) {
+    for (int64_t i = c * CHUNK, en = std::min(n, i + CHUNK); i < en; ++i) {
+      acc += ep[i];
+      if (ep[i] > 0.f && acc > target) return i;
+    }
+  }
+  int64_t i = n - 1;
+  while (i > 0 && !(ep[i] > 0.f)) --i;
+  return i;
+}
+
 template <typename T>
 void sample_rows_of(const T* xp, int64_t rs, int64_t n, const int64_t* rows, int64_t R, const float* temps,
                     const int64_t* top_k, const float* top_p, const float* min_p, const double* u, int64_t* op) {
@@ -465,7 +501,7 @@ void sample_rows_of(const T* xp, int64_t rs, int64_t n, const int64_t* rows, int
       // scalar code, with errno, when a lane is near underflow (a row of 48k masked tokens, an
       // allow list's, took 4x as long). A product, not a select: gcc saw that a select's taken
       // side needs no clamp, dropped it, and called exp on -inf again.
-      if (truncates) {  // e and its histogram bin
+      if (truncates) {  // e and its histogram bin, then the filters' cut
 #pragma omp simd
         for (int64_t i = 0; i < n; ++i) {
           const float x = as_f(row[i]);
@@ -473,6 +509,7 @@ void sample_rows_of(const T* xp, int64_t rs, int64_t n, const int64_t* rows, int
           ep[i] = expf(std::max(d, -80.f)) * static_cast<float>(d >= -80.f);
           bp[i] = static_cast<uint16_t>(std::min(-d * BINS_PER_UNIT, static_cast<float>(NBINS - 1)));
         }
+        total = keep(ep, bp, sums, n, nchunks, truncate(w, n, top_k[k], top_p[k]), floor_e);
       } else {  // e with min-p, and its chunk sums: all there is to do
         for (int64_t c = 0; c < nchunks; ++c) {
           const int64_t b = c * CHUNK, en = std::min(n, b + CHUNK);
@@ -489,53 +526,8 @@ void sample_rows_of(const T* xp, int64_t rs, int64_t n, const int64_t* rows, int
           total += s;
         }
       }
-      if (truncates) {  // the filters' cut, then the kept e (min-p too) and their chunk sums again
-        const Cut cut = truncate(w, n, top_k[k], top_p[k]);
-        total = 0.0;
-        for (int64_t c = 0; c < nchunks; ++c) {
-          const int64_t b = c * CHUNK, en = std::min(n, b + CHUNK);
-          float s = 0.f;
-          for (int64_t i = b; i < en; ++i) {
-            const int bin = bp[i];
-            const bool in = bin < cut.cut_bin ||
-                            (bin == cut.cut_bin && (ep[i] > cut.cut_e || (ep[i] == cut.cut_e && i <= cut.cut_i)));
-            const float v = in && ep[i] >= floor_e ? ep[i] : 0.f;
-            ep[i] = v;
-            s += v;
-          }
-          sums[c] = s;
-          total += s;
-        }
-      }
-      const double target = u[k] * total;
-      int64_t at = -1;
-      if (total > 0.0) {  // (finite: n terms of at most 1)
-        double acc = 0.0;
-        int64_t c = 0;
-        for (; c < nchunks && acc + sums[c] <= target; ++c) acc += sums[c];
-        if (c < nchunks) {
-          for (int64_t i = c * CHUNK, en = std::min(n, i + CHUNK); i < en; ++i) {
-            acc += ep[i];
-            if (ep[i] > 0.f && acc > target) {
-              at = i;
-              break;
-            }
-          }
-        }
-        if (at < 0) {  // rounding put the target at the very end: the last token with mass
-          for (int64_t i = n - 1; i >= 0; --i)
-            if (ep[i] > 0.f) {
-              at = i;
-              break;
-            }
-        }
-      }
-      if (at < 0) {  // no mass at all: the argmax
-        at = 0;
-        for (int64_t i = 1; i < n; ++i)
-          if (as_f(row[i]) > as_f(row[at])) at = i;
-      }
-      op[k] = at;
+      // total >= 1: the maximum's e is 1, and every filter keeps it (min_p <= 1)
+      op[k] = invert(ep, sums, n, nchunks, u[k] * total);
     }
   });
 }
