@@ -256,6 +256,13 @@ class Router:
                     wid = await self.pick(req, exclude=tried)  # nothing streamed yet: run it elsewhere
                     stream = self.client.generate(wid, req)
                 except UnavailableError:
+                    if previous is None and not streamed and worker_id is None:
+                        # refused or failed before a token (draining, or its engine failed:
+                        # the step watchdog): nothing to repeat, so it runs elsewhere
+                        tried.add(wid)
+                        wid = await self.pick(req, exclude=tried)
+                        stream = self.client.generate(wid, req)
+                        continue
                     if previous is None or wid == previous:
                         raise
                     # the destination of a migration never got it: the move went back to the source

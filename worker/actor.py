@@ -92,7 +92,8 @@ class EngineWorker(FrontendChannels, Migrations, StepLoop, LoadReports):
                            if publisher_factory is not None else None)
         built: concurrent.futures.Future = concurrent.futures.Future()
         self._threads = [threading.Thread(target=self._step_loop, args=(engine_factory, built),
-                                          name=f"folio-step-{worker_id}", daemon=True)]
+                                          name=f"folio-step-{worker_id}", daemon=True),
+                         threading.Thread(target=self._watch, name=f"folio-watch-{worker_id}", daemon=True)]
         for t in self._threads:
             t.start()
         try:

@@ -5,6 +5,7 @@ to Redis, and keeps the worker alive in Redis while a step runs long."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 from folio.worker.messages import EngineCounters, QueueState, RequestSummary, WorkerLoad, wall_from_mono
@@ -13,7 +14,9 @@ QUEUED_IN_LOAD = 64  # the most waiting / swapped requests a heartbeat lists (th
 
 
 class LoadReports:
-    STEP_STALL_S = 60.0  # a step running longer than this is stuck: the worker's heartbeat lapses
+    # a step running longer than this is stuck: the worker's heartbeat lapses, and its watchdog
+    # fails it so that the cluster restarts it (actor_steps.py)
+    STEP_STALL_S = float(os.environ.get("FOLIO_STEP_STALL_S", "60"))
 
     def _load(self) -> WorkerLoad:
         e = self.engine

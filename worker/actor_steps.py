@@ -14,10 +14,11 @@ import time
 import traceback
 from typing import Any, Callable
 
-from folio.worker.errors import RequestFailedError, UnavailableError, WorkerFailedError
+from folio.worker.errors import InvalidRequestError, RequestFailedError, UnavailableError, WorkerFailedError
 from folio.worker.messages import CompletionDelta, FinishReason, GenerateRequest, StreamChunk
 
 log = logging.getLogger("folio.worker")
+WATCH_PERIOD_S = 1.0  # how often the watchdog looks at the step running
 
 
 def _name_os_thread(name: bytes) -> None:
@@ -28,6 +29,15 @@ def _name_os_thread(name: bytes) -> None:
         ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name[:15]), 0, 0, 0)
     except (OSError, AttributeError):
         pass
+
+
+def _request_error(why: str) -> Exception:
+    """A fault traced to one request (fault_isolation.describe's line): its own bad input
+    found in the step (a grammar) stays a 400; anything else is the engine's 500."""
+    head = f"{InvalidRequestError.__module__}.{InvalidRequestError.__name__}: "
+    if why.startswith(head):
+        return InvalidRequestError(why[len(head):], param="response_format")
+    return RequestFailedError(why)
 
 
 class StepLoop:
@@ -135,9 +145,11 @@ class StepLoop:
                     continue
                 finally:
                     self._step_started = None
+                if self.failed is not None:  # the watchdog failed the worker while this step was stuck
+                    continue
                 for out in outs:
                     if out.error is not None:  # the engine failed this request alone (fault_isolation.py)
-                        self._put(out.request_id, RequestFailedError(out.error))
+                        self._put(out.request_id, _request_error(out.error))
                     else:
                         self._dispatch(out)
                 self._flush_out()  # one hop to the event loop for the whole step
@@ -178,6 +190,13 @@ class StepLoop:
         for rid in list(self._streams):
             self._put(rid, err)
         self._flush_out()
+        while True:  # commands still queued (a step thread stuck for good never takes them)
+            try:
+                _, fut = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(UnavailableError(f"worker {self.worker_id} failed: {self.failed}"))
         if self._loop is not None:
             try:
                 self._loop.call_soon_threadsafe(self._wake_arrivals)
@@ -187,6 +206,30 @@ class StepLoop:
             t = threading.Timer(self.exit_on_failure_s, os._exit, args=(1,))
             t.daemon = True
             t.start()
+
+    def _watch(self) -> None:
+        """The step watchdog (a thread of its own): a step running longer than STEP_STALL_S is
+        stuck (a grammar that never finishes evaluating a token, a kernel that hangs) and cannot
+        be interrupted. Its requests fail with a clear error (a request whose grammar was being
+        evaluated is blamed alone: 400), then the worker fails, so that the cluster restarts its
+        process (exit_on_failure_s) and the router stops sending it work meanwhile."""
+        while not self._stop and self.failed is None:
+            time.sleep(WATCH_PERIOD_S)
+            started = self._step_started
+            if started is None or time.monotonic() - started <= self.STEP_STALL_S:
+                continue
+            why = f"a step ran longer than {self.STEP_STALL_S:g} s"
+            seq = getattr(getattr(self.engine, "grammars", None), "evaluating", None)
+            if seq is not None:
+                from folio.worker.guided import TOO_AMBIGUOUS  # (loaded already: a grammar was running)
+
+                rid, kind = seq.group.request_id, seq.params.guided.kind.replace("_", " ")
+                why += f" evaluating the grammar of request {rid}"
+                self._put(rid, InvalidRequestError(f"the request's {kind} {TOO_AMBIGUOUS}: one token took "
+                                                   f"longer than {self.STEP_STALL_S:g} s, and the worker running "
+                                                   f"it restarts", param="response_format"))
+            self._fail(why)
+            return
 
     def _wake_arrivals(self) -> None:
         for evs in self._arrivals.values():

@@ -10,7 +10,6 @@ import time
 import torch
 
 from folio.worker import fault_isolation
-from folio.worker.errors import InvalidRequestError
 from folio.worker.outputs import make_request_output
 from folio.worker.sequence import CompletionOutput, RequestOutput, Sequence, SequenceGroup
 
@@ -84,10 +83,7 @@ class Postprocess:
             stop = self.detokenizer.append_token(seq, token)
         done_grammar = False
         if p.guided is not None:
-            if seq.grammar is None:
-                self.guided_grammars().matcher(seq)  # replays every output token, this one included
-            elif not seq.grammar.accept_token(token):
-                raise InvalidRequestError(f"token {token} does not match the request's grammar")
+            self.guided_grammars().accept(seq, token)
             done_grammar = seq.grammar.is_terminated()
         if done_grammar:  # the output is complete (the grammar took its stop token)
             reason = "stop"

@@ -21,6 +21,7 @@ cannot run on emitting spaces.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,14 @@ from folio.worker.utf8_mask import Utf8Mask
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 64 * 1024
+# The longest one sequence's mask for one token may take. xgrammar fills one in microseconds (a
+# JSON schema) to milliseconds (an EBNF), but an ambiguous pattern (nested repetitions such as
+# (.{0,8}){0,8}) makes its Earley parser's work grow with every token: 0.04 s, then 0.4 s a
+# token here, and (.{0,64}){0,64} never finished one. Over this, the request fails alone; a
+# fill that never returns is the step watchdog's (actor_steps.py).
+FILL_BUDGET_S = 0.25
+TOO_AMBIGUOUS = ("is too ambiguous for the grammar engine to follow (nested repetitions, such as "
+                 "(.{0,8}){0,8}, multiply the ways to match)")
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,7 @@ def _regex_escape(s: str) -> str:
 # control character (which JSON forbids in a string: json.loads refused "\x03" from a random
 # model) passes it. The same class as its unbounded strings, [^\0-\x1f"\\], fixes it.
 _BOUNDED_CHAR = r'[^\"\\\r\n]'
+_ANY_OBJECT = json.dumps({"type": "object"})  # json_object: OpenAI's JSON mode writes an object
 _JSON_CHAR = r'[^\0-\x1f\"\\]'
 
 
@@ -86,6 +96,8 @@ class Grammars:
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
         self.utf8 = Utf8Mask(self.info.decoded_vocab, vocab_size)
         self._cache: dict[GuidedSpec, Any] = {}
+        self._slow: dict[int, str] = {}  # id(matcher) -> why: over FILL_BUDGET_S once, refused from then on
+        self.evaluating = None  # the sequence whose grammar is being evaluated (the step watchdog names it)
 
     def compiled(self, spec: GuidedSpec):
         g = self._cache.get(spec)
@@ -101,8 +113,8 @@ class Grammars:
         try:
             if spec.kind == "json_schema":
                 return c.compile_grammar(json_schema_ebnf(spec.value))
-            if spec.kind == "json_object":
-                return c.compile_builtin_json_grammar()
+            if spec.kind == "json_object":  # any object, compact as a schema's: xgrammar's builtin
+                return c.compile_grammar(json_schema_ebnf(_ANY_OBJECT))  # JSON let a model write spaces forever
             if spec.kind == "regex":
                 return c.compile_regex(spec.value)
             if spec.kind == "choice":
@@ -132,13 +144,40 @@ class Grammars:
             seq.grammar = m
         return m
 
+    def accept(self, seq, token: int) -> None:
+        """After the draw: the sequence's matcher takes `token` (a new matcher replays the output)."""
+        self.evaluating = seq
+        try:
+            if seq.grammar is None:
+                self.matcher(seq)  # replays every output token, this one included
+            elif not seq.grammar.accept_token(token):
+                raise InvalidRequestError(f"token {token} does not match the request's grammar")
+        finally:
+            self.evaluating = None
+
     def bitmask(self, seqs: list) -> torch.Tensor:
         """The packed mask (int32 [len(seqs), ceil(V / 32)]) of what each sequence's grammar allows
         next, less what would make its output ill-formed UTF-8 (utf8_mask.py). A row that mask
         empties (a grammar that allows only ill-formed bytes there) is the request's error."""
         bm = self._xgr.allocate_token_bitmask(len(seqs), self.vocab_size)
-        for i, s in enumerate(seqs):
-            self.matcher(s).fill_next_token_bitmask(bm, i)
+        try:
+            for i, s in enumerate(seqs):
+                m = self.matcher(s)
+                why = self._slow.get(id(m))
+                if why is not None:  # the request alone, again (fault isolation): not a second slow fill
+                    raise InvalidRequestError(why, param="response_format")
+                self.evaluating, t0 = s, time.perf_counter()
+                m.fill_next_token_bitmask(bm, i)
+                took = time.perf_counter() - t0
+                if took > FILL_BUDGET_S:
+                    if len(self._slow) >= self.MAX_CACHED:
+                        self._slow.clear()
+                    kind = s.params.guided.kind.replace("_", " ")
+                    why = self._slow[id(m)] = (f"the request's {kind} {TOO_AMBIGUOUS}: one token took {took:.2f} s "
+                                               f"(the limit is {FILL_BUDGET_S} s)")
+                    raise InvalidRequestError(why, param="response_format")
+        finally:
+            self.evaluating = None
         if self.utf8.restrict(bm, seqs):
             raise InvalidRequestError("no token the request's grammar allows here keeps the output well-formed "
                                       "UTF-8", param="response_format")

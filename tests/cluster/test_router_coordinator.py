@@ -146,3 +146,35 @@ def test_router_takes_a_dead_worker_back_once_it_heartbeats_again():
             pub.publish(load(time.time()), set())  # restarted: a new heartbeat
             assert "w" in await router.live_loads(refresh=True)
         asyncio.run(main())
+
+
+def test_a_request_refused_before_its_first_token_runs_on_another_worker(model, tokenizer):
+    """A worker whose engine failed (the step watchdog, a fault no request explains) or that
+    drains refuses new requests while its last heartbeat still lists it: an unpinned request
+    it refuses runs on another worker instead of failing, and a pinned one still gets the
+    refusal (operators pin on purpose)."""
+    from folio.worker.errors import UnavailableError
+
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    expected = LLM(model, **ENGINE).generate([PROMPTS[1]], params)[0].token_ids
+    with EmbeddedRedis() as server:
+        a, b = make_worker(model, "a", server.url, ns="refuse"), make_worker(model, "b", server.url, ns="refuse")
+
+        async def main():
+            router = Router(ClusterState(server.url, "refuse"), LocalWorkerClient({"a": a, "b": b}),
+                            policy="round-robin")
+            while len(await router.live_loads(refresh=True)) < 2:
+                await asyncio.sleep(0.05)
+            a.failed = "injected: the engine failed"  # as _fail sets it; its heartbeat is still listed
+            ids = tokenizer(PROMPTS[1]).input_ids
+            for i in range(4):  # round-robin: half of them pick a first
+                tokens, chunks = await collect(router.generate(GenerateRequest(
+                    request_id=f"r{i}", prompt_token_ids=ids, params=params)))
+                assert tokens[0] == expected and {c.worker_id for c in chunks} == {"b"}
+            try:
+                await collect(router.generate(GenerateRequest(request_id="pinned", prompt_token_ids=ids,
+                                                              params=params), worker_id="a"))
+                raise AssertionError("a pinned request ran on a failed worker")
+            except UnavailableError as e:
+                assert "failed" in str(e)
+        asyncio.run(main())

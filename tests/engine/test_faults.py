@@ -7,6 +7,7 @@ have produced k tokens (the forward raises after writing its KV, as a fault mid-
 """
 
 import dataclasses
+import time
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -261,3 +262,64 @@ def test_a_failed_worker_exits_its_process_so_the_cluster_restarts_it(model_dirs
                          timeout=120)
     assert "stream error: WorkerFailedError" in out.stdout, (out.stdout, out.stderr[-2000:])
     assert out.returncode == 1 and "still alive" not in out.stdout
+
+
+_STUCK_CHECK = """
+import asyncio, functools, sys, time
+from folio.worker import EngineConfig, LLMEngine, SamplingParams
+from folio.worker.actor import EngineWorker
+from folio.worker.guided import GuidedSpec
+from folio.worker.messages import GenerateRequest
+EngineWorker.STEP_STALL_S = 2.0
+cfg = EngineConfig(model=sys.argv[1], block_size=8, num_kv_blocks=64, max_model_len=512)
+w = EngineWorker("w", functools.partial(LLMEngine, cfg), None, exit_on_failure_s=1.0)
+async def run(rid, params):
+    t0 = time.monotonic()
+    try:
+        async for _ in w.generate(GenerateRequest(request_id=rid, prompt_token_ids=[1, 2, 3], params=params)):
+            pass
+        print(rid, "finished", flush=True)
+    except Exception as e:
+        print(rid, type(e).__name__, "after %.1f s:" % (time.monotonic() - t0), e, flush=True)
+async def late():
+    await asyncio.sleep(1.5)  # its submit waits behind the stuck step (or gets in just before)
+    await run("late", SamplingParams(max_tokens=4))
+async def main():
+    early = asyncio.ensure_future(run("early", SamplingParams(max_tokens=500, ignore_eos=True)))
+    await asyncio.sleep(0.05)
+    # its first token the vocabulary's longest (no newline): the grammar's second mask never ends
+    tok = w.engine.tokenizer
+    longest = max((t for t in range(len(tok)) if "\\n" not in tok.decode([t])), key=lambda t: len(tok.decode([t])))
+    stuck = SamplingParams(max_tokens=8, temperature=0.0, logit_bias={longest: 100.0},
+                           guided=GuidedSpec("regex", sys.argv[2]))
+    await asyncio.gather(run("stuck", stuck), late())
+    await early
+    await asyncio.sleep(30)
+    print("still alive", flush=True)
+asyncio.run(main())
+"""
+
+
+def test_a_step_stuck_in_a_grammar_fails_its_requests_and_the_worker_restarts(model_dirs, tmp_path):
+    """A grammar whose first token's mask xgrammar never finishes (nested repetitions of `.`:
+    minutes here) holds the step in C++, where nothing can interrupt it. The watchdog sees the
+    step over STEP_STALL_S: the request whose grammar it was evaluating gets a 400 naming it,
+    the other running request a WorkerFailedError, a submit queued behind the stuck step an
+    UnavailableError (it used to wait forever), then the process exits non-zero so
+    that the cluster restarts the worker (a stuck worker used to stay stuck, out of the
+    router's view, while the client waited forever)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "stuck_check.py"
+    script.write_text(_STUCK_CHECK)
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, str(script), model_dirs["llama"], r"(.{0,64}){0,64}(.{0,64}){0,64}"],
+                         capture_output=True, text=True, timeout=120)
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
+    assert lines.get("stuck", "").startswith("InvalidRequestError") and "too ambiguous" in lines["stuck"], out
+    assert lines.get("early", "").startswith("WorkerFailedError"), out  # it had streamed: not resumable
+    # sent behind the stuck step: refused (UnavailableError) if still queued, failed if it got in
+    assert lines.get("late", "").split(" ")[0] in ("UnavailableError", "WorkerFailedError"), out
+    assert out.returncode == 1 and "still alive" not in out.stdout, out.stderr[-2000:]
+    assert time.monotonic() - t0 < 60

@@ -65,7 +65,7 @@ def test_regex_choice_grammar_and_json_object(llm):
         (GuidedSpec.choice(["yes", "no", "not (sure)"]), lambda t: t in ("yes", "no", "not (sure)")),
         (GuidedSpec("grammar", 'root ::= "(" [a-c] [a-c]? [a-c]? ")" | "[" [0-9] "]"'),
          lambda t: re.fullmatch(r"\([a-c]{1,3}\)|\[[0-9]\]", t)),
-        (GuidedSpec("json_object"), lambda t: isinstance(json.loads(t), (dict, list))),
+        (GuidedSpec("json_object"), lambda t: isinstance(json.loads(t), dict) and compact(t)),
     ]
     for spec, ok in cases:
         for greedy in (True, False):
@@ -73,8 +73,27 @@ def test_regex_choice_grammar_and_json_object(llm):
                       for i in range(len(PROMPTS))]
             for o in llm.generate(PROMPTS, params):
                 if spec.kind == "json_object" and o.finish_reason == "length":
-                    continue  # any JSON may go on past max_tokens (nothing bounds it)
+                    assert compact(o.text), o.text  # any JSON may go on past max_tokens, but never on spaces
+                    continue
                 assert o.finish_reason == "stop" and ok(o.text), (spec, o.text)
+
+
+def compact(text: str) -> bool:
+    """JSON text with no free whitespace: outside strings, a space only right after "," or ":"."""
+    in_string = escaped = False
+    for i, ch in enumerate(text):
+        if in_string:
+            in_string, escaped = (escaped or ch != '"'), (not escaped and ch == "\\")
+        elif ch == '"':
+            in_string = True
+        elif ch.isspace() and not (ch == " " and i and text[i - 1] in ",:"):
+            return False
+    return True
+
+
+def test_compact_sees_free_whitespace():
+    assert compact('{"a b": [1, {"c": "x\\" y"}], "d": null}')
+    assert not compact('{ "a": 1}') and not compact('{"a": 1,\n"b": 2}') and not compact('{"a":  1}')
 
 
 def test_guided_and_plain_requests_share_a_batch(llm):
@@ -149,3 +168,26 @@ def test_apply_bitmask_equals_xgrammars_own(rows, vocab, seed, some):
         part = logits[which].clone()
         xgr.apply_token_bitmask_inplace(part, bm)
         assert torch.equal(got[which], part)
+
+
+AMBIGUOUS = r"(.{0,16}){0,16}"  # each token's mask: 0.02 s, then 0.6 s and growing (xgrammar 0.2.9, 2-core EPYC)
+
+
+def test_a_grammar_too_slow_to_follow_fails_its_request_alone(llm, monkeypatch):
+    """A request whose grammar takes longer than FILL_BUDGET_S to evaluate one token fails
+    alone (a 400's message, blamed by fault isolation without a second slow fill); the plain
+    and the well-behaved guided requests of the same batch finish as they would alone."""
+    import folio.worker.guided as guided
+
+    monkeypatch.setattr(guided, "FILL_BUDGET_S", 0.02)  # ~100x a well-behaved mask here, 1/30 of this one's
+    plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    tame = SamplingParams(max_tokens=40, temperature=0.0, guided=GuidedSpec("regex", r"[0-9]{3}-[a-z]{2,4}"))
+    alone = llm.generate(PROMPTS[:2], [plain, tame])
+    slow = SamplingParams(max_tokens=40, temperature=1.0, seed=1, guided=GuidedSpec("regex", AMBIGUOUS))
+    outs = llm.generate(PROMPTS[:2] * 2, [plain, tame, slow, slow])
+    assert [o.token_ids for o in outs[:2]] == [o.token_ids for o in alone] and outs[0].error is outs[1].error is None
+    for o in outs[2:]:
+        assert o.error is not None and "InvalidRequestError" in o.error and "too ambiguous" in o.error, o.error
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.check_invariants()
+    assert llm.engine.stats().num_free_blocks == llm.engine.stats().num_kv_blocks
