@@ -98,6 +98,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             yield msg
 
     async def Abort(self, request, context):
+        if not 0 < len(request.request_id) <= MAX_REQUEST_ID_CHARS:  # as Generate's ids: none can match
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request_id must be 1 to {MAX_REQUEST_ID_CHARS} characters")
         return pb.AbortResponse(aborted=await self.frontend.abort(request.request_id))
 
     async def GetModelInfo(self, request, context):

@@ -5,9 +5,9 @@ entries: completions' {"tokens", "token_logprobs", "top_logprobs", "text_offset"
 
 text_offset is each token's character offset in the choice's text (an echoed prompt
 included): a delta's text starts where the text so far ends (`Choice` keeps the spans), and a
-token inside a delta of several sits after the text of the delta's tokens before it, clipped to
-the delta's text (a byte token of a character not yet complete, or text cut by a stop string,
-starts where the delta's text ends).
+token inside a delta of several sits after the text the delta's tokens before it add when
+decoded in sequence (a special token adds none), clipped to the delta's text (text cut by a
+stop string starts where the delta's text ends).
 """
 
 from __future__ import annotations
@@ -29,22 +29,44 @@ def logprobs_completion(tok, entries: list[dict], k: int, spans: list[tuple[int,
     delta's tokens before it (clipped to the delta's text: a held-back or stop-cut token's text
     starts where the delta's ends)."""
     text = _token_text(tok, as_ids)
-    tokens, lps, tops, offsets, lengths = [], [], [], [], []
+    tokens, lps, tops, offsets = [], [], [], []
     for d in entries:
         chosen = next(iter(d))
         tokens.append(text(chosen))
-        lengths.append(len(tokens[-1] if not as_ids else tok.decode([chosen])))
         lps.append(d[chosen])
         # an echoed prompt's first token: nothing predicts it (null, as OpenAI and vLLM)
         tops.append(None if d[chosen] is None else {text(t): lp for t, lp in _top(d, k)})
+    ids = [next(iter(d)) for d in entries]
     at = 0
     for offset, chars, count in spans:
         inner = 0
-        for n in lengths[at:at + count]:
+        for n in _span_lengths(tok, ids[at:at + count], chars):
             offsets.append(offset + min(inner, chars))
             inner += n
         at += count
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _span_lengths(tok, ids: list[int], chars: int) -> list[int]:
+    """How many characters each token adds to a span's text (`chars` long) when the span's ids
+    are decoded in sequence (a token inside a character: none until the one that completes it).
+    A token decoded alone says otherwise: a SentencePiece word's leading space is dropped, and a
+    text prompt's echo has no "<s>" (a token-id prompt's echo is decoded with it): special tokens
+    count as the span's text has them."""
+    from tokenizers.decoders import DecodeStream
+
+    first = None
+    for skip in (True, False):
+        stream, backend, out = DecodeStream(skip_special_tokens=skip), tok.backend_tokenizer, []
+        for t in ids:
+            try:
+                out.append(len(stream.step(backend, t) or ""))
+            except Exception:  # noqa: BLE001 - an id the tokenizer cannot decode adds no text
+                out.append(0)
+        if sum(out) == chars:
+            return out
+        first = first or out
+    return first  # neither adds up (a stop string cut the text): clipped by the caller
 
 
 def logprobs_chat(tok, entries: list[dict], k: int, as_ids: bool = False) -> dict:

@@ -353,11 +353,13 @@ def test_the_new_routes_need_the_key(folio_server, method, path):
 
 
 # ---- logprobs' text_offset, echo --------------------------------------------------------------
-def _check_offsets(text, lp, start=0):
+def _check_offsets(text, lp, start=0, special=()):
     offs, toks = lp["text_offset"], lp["tokens"]
     assert len(offs) == len(toks) and offs[0] == start
     for i, tok in enumerate(toks):  # each token's text sits at its offset
-        if "\ufffd" not in tok:  # (a byte token that is part of a character decodes alone as U+FFFD)
+        if tok in special:  # (a special token adds no text: the next one starts where it does)
+            assert i + 1 == len(toks) or offs[i + 1] == offs[i], (i, tok, offs)
+        elif "\ufffd" not in tok:  # (a byte token that is part of a character decodes alone as U+FFFD)
             assert text[offs[i]:offs[i] + len(tok)] == tok, (i, tok, text[offs[i]:])
     assert offs == sorted(offs) and all(o <= len(text) for o in offs)
     assert "".join(text[a:b] for a, b in zip(offs, offs[1:] + [len(text)])) == text[start:]
@@ -368,6 +370,20 @@ def test_text_offset_is_each_tokens_place_in_the_text(folio_server, prompt):
     body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 1}
     out = post(folio_server, "/v1/completions", body)[1]["choices"][0]
     _check_offsets(out["text"], out["logprobs"])
+    status, _, raw = call(folio_server, "POST", "/v1/completions", {**body, "stream": True})
+    chunks = [json.loads(l[6:]) for l in raw.decode().split("\n\n") if l.startswith("data: {")]
+    streamed = [o for c in chunks for o in (c["choices"][0]["logprobs"] or {"text_offset": []})["text_offset"]]
+    assert streamed == out["logprobs"]["text_offset"]
+
+
+@pytest.mark.parametrize("prompt", ["ab cd", "import os\nimport sys\n"])
+def test_text_offset_counts_an_echoed_text_prompt_as_the_text_has_it(folio_server, tokenizer, prompt):
+    """Echoed with logprobs, the prompt's BOS adds no text and each token starts where the
+    text has it (a token decoded alone used to count "<s>" as 3 characters: 'ab' at 3)."""
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 1, "echo": True}
+    out = post(folio_server, "/v1/completions", body)[1]["choices"][0]
+    assert out["text"].startswith(prompt)
+    _check_offsets(out["text"], out["logprobs"], special=set(tokenizer.all_special_tokens))
     status, _, raw = call(folio_server, "POST", "/v1/completions", {**body, "stream": True})
     chunks = [json.loads(l[6:]) for l in raw.decode().split("\n\n") if l.startswith("data: {")]
     streamed = [o for c in chunks for o in (c["choices"][0]["logprobs"] or {"text_offset": []})["text_offset"]]

@@ -103,6 +103,14 @@ def test_grpc_bounds_are_invalid_argument(folio_server, sampling, ids):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details()
 
 
+@pytest.mark.parametrize("rid", ["", "x" * 257, "x" * 100_000])
+def test_grpc_abort_ids_out_of_bounds_are_invalid_argument(folio_server, rid):
+    with grpc.insecure_channel(folio_server["grpc"]) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            pb_grpc.GenerationStub(ch).Abort(pb.AbortRequest(request_id=rid), metadata=AUTH)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in e.value.details()
+
+
 def test_the_values_that_killed_workers_are_refused_and_both_workers_serve(folio_server):
     for body in ({"logprobs": 10_000}, {"top_k": 10**30}, {"seed": 2**64 - 1, "n": 2, "temperature": 1.0}):
         status, out = post(folio_server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, **body})
