@@ -8,12 +8,14 @@ import functools
 import random
 import time
 
+import pytest
 import redis
 
 from folio.cluster.redis_server import EmbeddedRedis
 from folio.cluster.state import ClusterState, WorkerPublisher
 from folio.cluster.worker_client import LocalWorkerClient
 from folio.worker.actor import EngineWorker
+from folio.worker.errors import WorkerFailedError
 from folio.worker.messages import GenerateRequest
 from folio.cluster.sim.roofline import Roofline
 from folio.worker.sampling_params import SamplingParams
@@ -137,7 +139,9 @@ async def _drain(stream):
 def test_a_step_longer_than_the_ttl_keeps_the_worker_alive_and_a_stuck_one_does_not(monkeypatch):
     """A step that outlasts the load's TTL in Redis (1.5 s) does not make its worker vanish
     (the router answered 503 "no worker is alive" during long prefills of a real model): the
-    heartbeat renews the last load. A step stuck past EngineWorker.STEP_STALL_S lets it lapse."""
+    heartbeat renews the last load. A step stuck past EngineWorker.STEP_STALL_S lets it lapse,
+    and the watchdog fails the worker (its requests get the reason; in a cluster its process
+    then exits and restarts, tests/engine/test_faults.py): it does not beat again."""
     with EmbeddedRedis() as server:
         w = _worker(server.url, "long")
         state = ClusterState(server.url, "long")
@@ -169,9 +173,11 @@ def test_a_step_longer_than_the_ttl_keeps_the_worker_alive_and_a_stuck_one_does_
             while "w0" in state.live_loads():  # stuck for 0.5 s, then the 1.5 s TTL runs out
                 assert time.monotonic() < deadline, "a stuck worker stayed alive"
                 await asyncio.sleep(0.1)
-            await task
+            with pytest.raises(WorkerFailedError, match="a step ran longer than 0.5 s"):
+                await task
+            assert w.failed
             await asyncio.sleep(0.3)
-            assert "w0" in state.live_loads()  # beats again once its step ends
+            assert "w0" not in state.live_loads()  # failed: no heartbeat until a restart
         try:
             asyncio.run(main())
         finally:
