@@ -246,7 +246,11 @@ class Router:
                     else:
                         raise WorkerFailedError(f"the stream of {req.request_id} from {wid} ended unfinished")
                 except WorkerFailedError:
-                    raise
+                    if streamed or previous is not None or worker_id is not None:
+                        raise
+                    tried.add(wid)  # its engine failed before this request's first token: run it elsewhere
+                    wid = await self.pick(req, exclude=tried)
+                    stream = self.client.generate(wid, req)
                 except WorkerDiedError as e:
                     self.mark_dead(e.worker_id)
                     tried.add(e.worker_id)
@@ -257,8 +261,8 @@ class Router:
                     stream = self.client.generate(wid, req)
                 except UnavailableError:
                     if previous is None and not streamed and worker_id is None:
-                        # refused or failed before a token (draining, or its engine failed:
-                        # the step watchdog): nothing to repeat, so it runs elsewhere
+                        # refused before a token (draining, or its engine failed: the step
+                        # watchdog): nothing to repeat, so it runs elsewhere
                         tried.add(wid)
                         wid = await self.pick(req, exclude=tried)
                         stream = self.client.generate(wid, req)

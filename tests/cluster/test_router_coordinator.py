@@ -152,29 +152,53 @@ def test_a_request_refused_before_its_first_token_runs_on_another_worker(model, 
     """A worker whose engine failed (the step watchdog, a fault no request explains) or that
     drains refuses new requests while its last heartbeat still lists it: an unpinned request
     it refuses runs on another worker instead of failing, and a pinned one still gets the
-    refusal (operators pin on purpose)."""
+    refusal (operators pin on purpose). Likewise a request whose worker fails before its
+    first token."""
     from folio.worker.errors import UnavailableError
 
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     expected = LLM(model, **ENGINE).generate([PROMPTS[1]], params)[0].token_ids
     with EmbeddedRedis() as server:
-        a, b = make_worker(model, "a", server.url, ns="refuse"), make_worker(model, "b", server.url, ns="refuse")
+        a, b, c = (make_worker(model, w, server.url, ns="refuse") for w in "abc")
 
         async def main():
-            router = Router(ClusterState(server.url, "refuse"), LocalWorkerClient({"a": a, "b": b}),
+            router = Router(ClusterState(server.url, "refuse"), LocalWorkerClient({"a": a, "b": b, "c": c}),
                             policy="round-robin")
-            while len(await router.live_loads(refresh=True)) < 2:
+            while len(await router.live_loads(refresh=True)) < 3:
                 await asyncio.sleep(0.05)
             a.failed = "injected: the engine failed"  # as _fail sets it; its heartbeat is still listed
             ids = tokenizer(PROMPTS[1]).input_ids
-            for i in range(4):  # round-robin: half of them pick a first
+            for i in range(6):  # round-robin: a third of them pick a first
                 tokens, chunks = await collect(router.generate(GenerateRequest(
                     request_id=f"r{i}", prompt_token_ids=ids, params=params)))
-                assert tokens[0] == expected and {c.worker_id for c in chunks} == {"b"}
+                assert tokens[0] == expected and len({ch.worker_id for ch in chunks} - {"b", "c"}) == 0
             try:
                 await collect(router.generate(GenerateRequest(request_id="pinned", prompt_token_ids=ids,
                                                               params=params), worker_id="a"))
                 raise AssertionError("a pinned request ran on a failed worker")
             except UnavailableError as e:
                 assert "failed" in str(e)
+            # the worker fails while the request waits for its first step there (as the watchdog
+            # fails a worker stuck in a step): WorkerFailedError, and it runs on the other one
+            for w in (b, c):
+                w.engine.step = _slow_first(w.engine.step)
+            run = asyncio.ensure_future(collect(router.generate(GenerateRequest(
+                request_id="moved", prompt_token_ids=ids, params=params))))
+            await asyncio.sleep(0.3)
+            first = router._where["moved"]
+            {"b": b, "c": c}[first]._fail("injected: a step ran too long")
+            tokens, chunks = await run
+            assert tokens[0] == expected and {ch.worker_id for ch in chunks} == {"b", "c"} - {first}
         asyncio.run(main())
+
+
+def _slow_first(step):
+    """An engine's step whose first call takes a second longer."""
+    first = [True]
+
+    def slow():
+        if first[0]:
+            first[0] = False
+            time.sleep(1.0)
+        return step()
+    return slow
