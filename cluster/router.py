@@ -245,12 +245,6 @@ class Router:
                             return
                     else:
                         raise WorkerFailedError(f"the stream of {req.request_id} from {wid} ended unfinished")
-                except WorkerFailedError:
-                    if streamed or previous is not None or worker_id is not None:
-                        raise
-                    tried.add(wid)  # its engine failed before this request's first token: run it elsewhere
-                    wid = await self.pick(req, exclude=tried)
-                    stream = self.client.generate(wid, req)
                 except WorkerDiedError as e:
                     self.mark_dead(e.worker_id)
                     tried.add(e.worker_id)
@@ -259,15 +253,15 @@ class Router:
                             from None
                     wid = await self.pick(req, exclude=tried)  # nothing streamed yet: run it elsewhere
                     stream = self.client.generate(wid, req)
-                except UnavailableError:
+                except UnavailableError as e:
                     if previous is None and not streamed and worker_id is None:
-                        # refused before a token (draining, or its engine failed: the step
-                        # watchdog): nothing to repeat, so it runs elsewhere
+                        # refused, or its engine failed (the step watchdog), before this request's
+                        # first token: nothing to repeat, so it runs elsewhere
                         tried.add(wid)
                         wid = await self.pick(req, exclude=tried)
                         stream = self.client.generate(wid, req)
                         continue
-                    if previous is None or wid == previous:
+                    if isinstance(e, WorkerFailedError) or previous is None or wid == previous:
                         raise
                     # the destination of a migration never got it: the move went back to the source
                     wid, previous = previous, None
