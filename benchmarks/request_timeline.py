@@ -31,6 +31,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from frontend_overhead import pct  # noqa: E402
 from serve_local import start_server, stop_server  # noqa: E402
 from served_procs import engine_counters  # noqa: E402
 
@@ -72,11 +73,6 @@ def per_request(before: dict, after: dict, n: int, min_us: float = 5.0) -> list[
                      round((b["wait_ns"] - a["wait_ns"]) / n / 1e3), "voluntary": round((b["vol"] - a["vol"]) / n, 1),
                      "involuntary": round((b["inv"] - a["inv"]) / n, 1)})
     return sorted(rows, key=lambda r: -r["cpu_us"])
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(int(q / 100 * len(xs)), len(xs) - 1)]
 
 
 def inprocess(model: str, n: int) -> dict:
