@@ -47,7 +47,7 @@ typedef float vfu __attribute__((vector_size(64), aligned(4)));      // the same
 inline vf loadu(const float* p) { return *reinterpret_cast<const vfu*>(p); }
 // A value held in a register: gcc would otherwise fold each use of a loaded vector into its
 // FMA as a memory operand, one load per FMA, and the loads, not the FMAs, would set the pace.
-#if defined(__x86_64__)
+#if defined(__x86_64__) && defined(__AVX512F__)  // (a 64-byte vector fits one register only there)
 #define FOLIO_IN_REG(v) __asm__("" : "+v"(v))
 #else
 #define FOLIO_IN_REG(v) do {} while (0)

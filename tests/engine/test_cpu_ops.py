@@ -127,6 +127,30 @@ def test_silu_mul_keeps_transformers_roundings(case, dtype):
             assert (got != want).float().mean().item() < 0.02
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_mul_on_every_kind_of_value(dtype):
+    """In a full vector of the op's loop and in its tail (AVX-512: its own exp on 16 lanes, a
+    masked tail; elsewhere glibc's exp, vectorized by the compiler, and a scalar tail), every
+    kind of value comes out as torch's chain has it, within its roundings: NaN, infinities, zeros, exp's
+    range edges, huge gates. Gates below -80 give what is under 1e-30 (a zero below -88, where
+    torch has a magnitude under 1e-36, or NaN for -inf)."""
+    vals = [float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 1e-30, -1e-30, 0.5, -0.5, 20.0, -20.0, 87.9,
+            -87.9, 88.1, -88.1, 103.0, -103.0, 105.0, -105.0, 1e20, -1e20, 3e38, -3e38]
+    rows = [(v, u) for v in vals for u in (1.0, -3.0, 0.0, float("inf"))]
+    gate = torch.tensor([[v] * 17 + [u] * 17 for v, u in rows]).to(dtype)  # 17: a vector, then a tail of 1
+    got, want = cpu_ops.silu_mul(gate).float(), reference.silu_mul(gate).float()
+    low = gate[:, 0].float() < -80  # silu is under 1e-33 in magnitude there
+    tiny = low & gate[:, 17].float().isfinite()  # (times an infinite up: anything)
+    assert (got[tiny][:, [0, 16]].abs() < 1e-30).all()
+    for col in (0, 16):  # in a full vector, and in the tail
+        a, b = got[~low, col], want[~low, col]
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.isinf(), b.isinf())
+        finite = a.isfinite()
+        assert torch.equal(a[finite].signbit(), b[finite].signbit())
+        steps = 2 if dtype == torch.bfloat16 else 6  # the roundings test_silu_mul_keeps_transformers_roundings allows
+        assert _ulps(a[finite].to(dtype).contiguous(), b[finite].to(dtype).contiguous()).max().item() <= steps
+
+
 def test_float16_mixed_dtypes_and_odd_layouts_take_the_reference():
     x = torch.randn(4, 64)
     w = torch.rand(64) + 0.5
