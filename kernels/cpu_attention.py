@@ -38,6 +38,7 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_attention
 # (one .so, one load)
 SOURCES = (SOURCE, os.path.join(os.path.dirname(SOURCE), "cpu_prefill.cpp"),
            os.path.join(os.path.dirname(SOURCE), "cpu_ops.cpp"))
+HEADERS = (os.path.join(os.path.dirname(SOURCE), "cpu_simd.h"),)  # in the cache key with the sources
 # -ffast-math when compiling only (it lets expf vectorize through glibc's libmvec): linked
 # with it, gcc adds crtfastmath.o, whose constructor turns on flush-to-zero for the whole
 # process when the library loads, and every torch op would lose subnormals.
@@ -64,7 +65,7 @@ def _cpu_flags() -> str:
 def library_path() -> str:
     """Where this source, built for this CPU and this torch, lives."""
     src = b""
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         with open(source, "rb") as f:
             src += f.read() + b"\0"
     cxx = os.environ.get("CXX", "c++")

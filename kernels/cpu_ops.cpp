@@ -215,26 +215,11 @@ void add_rms_norm(const at::Tensor& h, const at::Tensor& r, const at::Tensor& w,
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define FOLIO_SILU_AVX512 1
-#include <immintrin.h>
-// 16 lanes of the loop below. glibc's expf is a scalar call here (GCC vectorizes the loop with
-// libmvec's 8-lane AVX2 expf at best): 0.76 ns an element, 2.4 ms for a 2,048-token prefill's
-// [2048, 1536] on a 2-core Xeon, most of it exp. This one is Cephes' expf (x = n ln2 + r, a
-// degree-7 polynomial in r, scaled by 2^n; ~1 ulp, as glibc's and Sleef's are), on every lane.
-__attribute__((always_inline)) inline __m512 exp16(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln 2 in two parts: r exact
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
+#include "cpu_simd.h"
+// 16 lanes of the loop below, with cpu_simd.h's exp (glibc's expf here: 0.76 ns an element,
+// 2.4 ms for a 2,048-token prefill's [2048, 1536] on a 2-core Xeon, most of it exp).
+using folio_simd::exp16;
+using folio_simd::first_lanes;
 __attribute__((always_inline)) inline __mmask16 nan16(__m512 f) {  // by the bits, as is_nan
   return _mm512_cmpgt_epu32_mask(_mm512_and_si512(_mm512_castps_si512(f), _mm512_set1_epi32(0x7fffffff)),
                                  _mm512_set1_epi32(0x7f800000));
@@ -296,7 +281,7 @@ void silu_mul_of(const at::Tensor& gate_up, const at::Tensor& out) {
       E* o = op + t * os;
 #ifdef FOLIO_SILU_AVX512
       for (int64_t i = 0; i < n; i += 16)
-        silu_mul16(g + i, u + i, o + i, n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1));
+        silu_mul16(g + i, u + i, o + i, first_lanes(n - i));
 #else
 #pragma omp simd
       for (int64_t i = 0; i < n; ++i) {
