@@ -39,6 +39,8 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_simd.h"
+
 namespace {
 
 typedef float vf __attribute__((vector_size(64)));                   // 16 float32 lanes
@@ -229,11 +231,25 @@ void prefill_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
           const bool first = w.l[m] == 0.f;
           const float mnew = first ? mx : std::max(w.m[m], mx);
           float sum = 0.f;
+#ifdef __AVX512F__
+          {  // cpu_simd.h's exp on 16 lanes (glibc's expf is a call per key here)
+            __m512 sv = _mm512_setzero_ps();
+            const __m512 mn = _mm512_set1_ps(mnew), lo = _mm512_set1_ps(-104.f);
+            for (int64_t k = 0; k < vc; k += 16) {
+              const __mmask16 lanes = folio_simd::first_lanes(vc - k);
+              const __m512 e = folio_simd::exp16(_mm512_max_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, sr + k), mn), lo));
+              _mm512_mask_storeu_ps(sr + k, lanes, e);
+              sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(lanes, e));
+            }
+            sum = _mm512_reduce_add_ps(sv);
+          }
+#else
 #pragma omp simd reduction(+ : sum)
           for (int64_t k = 0; k < vc; ++k) {
             sr[k] = expf(sr[k] - mnew);
             sum += sr[k];
           }
+#endif
           for (int64_t k = vc; k < BK; ++k) sr[k] = 0.f;
           if (!first && mnew != w.m[m]) {
             const float alpha = expf(w.m[m] - mnew);
