@@ -83,6 +83,9 @@ class AttentionPlan:
     prefill_batches: list[PrefillBatch] = field(default_factory=list)  # the rest of the prefills
     max_seq_len: int | None = None  # longest context of the batch (the Triton kernel's split)
     prefill_rows: PrefillRows | None = None  # instead of `prefill` and `prefill_batches` (in_place=True)
+    # an in-place plan's prefills as the torch path reads them (prefill_plan), made on first use
+    # by a kernel path that sends them there (cpu_attention.py), then read by every layer
+    torch_prefills: AttentionPlan | None = None
 
     @property
     def prefills(self) -> bool:
@@ -111,6 +114,24 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_sta
             num_blocks=nb,
             mask=(torch.arange(nb * block_size)[None, :] < ctx[:, None])[:, None, None, :],
         ))
+    prefill, batches = _prefills(tables, qsl, lens, block_size)
+    return AttentionPlan(chunks, prefill, max(b - a for a, b in zip(qsl, qsl[1:])) if lens else 0,
+                         prefill_batches=batches)
+
+
+def prefill_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                 block_size: int) -> AttentionPlan:
+    """plan_attention's prefills alone (its decode sequences left out): for a kernel path that
+    runs the decode rows in place and the prefills through the torch path."""
+    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    prefill, batches = _prefills(block_tables.to(torch.long), qsl, lens, block_size)
+    return AttentionPlan([], prefill, max(b - a for a, b in zip(qsl, qsl[1:])) if lens else 0,
+                         prefill_batches=batches)
+
+
+def _prefills(tables: torch.Tensor, qsl: list[int], lens: list[int],
+              block_size: int) -> tuple[list[PrefillSeq], list[PrefillBatch]]:
+    """The prefill sequences: fresh prompts of one length batched, the others one by one with masks."""
     prefill, fresh = [], {}
     for s in range(len(lens)):
         q_len = qsl[s + 1] - qsl[s]
@@ -132,8 +153,7 @@ def plan_attention(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_sta
         else:
             batches.append(PrefillBatch(torch.cat([torch.arange(qsl[s], qsl[s + 1]) for s in seqs]),
                                         tables[seqs, :nb].reshape(-1), len(seqs), ctx))
-    return AttentionPlan(chunks, prefill, max(b - a for a, b in zip(qsl, qsl[1:])) if lens else 0,
-                         prefill_batches=batches)
+    return prefill, batches
 
 
 def _in_place_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, qsl: list[int], lens: list[int]) -> AttentionPlan:

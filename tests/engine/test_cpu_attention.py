@@ -22,6 +22,18 @@ from tests.engine.test_kernels_reference import block_major, dense_reference, ma
 pytestmark = pytest.mark.skipif(cpu_attention.load() is not None, reason="no C++ compiler here")
 
 
+PREFILL_BY_SDPA = cpu_attention.prefill_by_sdpa  # the rule itself (the fixture below replaces it)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _the_prefill_kernel_for_every_dtype():
+    """These tests are the kernels': on a CPU with AMX, bf16 prefills would go to SDPA
+    (prefill_by_sdpa), and the kernel's bf16 prefill would go untested there."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_attention, "prefill_by_sdpa", lambda dtype: False)
+        yield
+
+
 @st.composite
 def batches(draw):
     block_size = draw(st.sampled_from([1, 2, 8, 16, 32]))
@@ -209,3 +221,35 @@ def test_the_library_compiles_for_a_cpu_without_avx512():
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         for source, done in zip(cpu_attention.SOURCES, pool.map(compile_, cpu_attention.SOURCES)):
             assert done.returncode == 0, f"{os.path.basename(source)}: {done.stderr[-1500:]}"
+
+
+def test_bf16_prefills_take_sdpa_on_a_cpu_with_amx(monkeypatch):
+    """Where prefill_by_sdpa says so (bf16 on AMX), a mixed batch's prefills are the torch path's
+    to the bit, planned once for every layer, while its decode rows stay the kernel's; float32
+    and CPUs without AMX keep the kernel."""
+    gen = torch.Generator().manual_seed(3)
+    q_lens, ctx = [1, 37, 1, 64, 64], [50, 37, 9, 64, 64]  # decode rows, a prompt, two of one length
+    q, kc, vc, tables, lens, qsl, _, _ = make_case(gen, q_lens, ctx, 6, 2, 64, 16, torch.bfloat16)
+    kc, vc, _ = block_major(kc, vc)
+    kernel = cpu_attention.paged_attention(q, kc, vc, tables, lens, qsl, 0.125)  # the fixture: the kernel
+    monkeypatch.setattr(cpu_attention, "prefill_by_sdpa", lambda dtype: dtype == torch.bfloat16)
+    plan = cpu_attention.plan(tables, lens, qsl, 16, 0)
+    outs = [cpu_attention.paged_attention(q, kc, vc, tables, lens, qsl, 0.125, plan=plan) for _ in range(2)]
+    torch_prefills = plan.torch_prefills
+    assert torch_prefills is not None and len(torch_prefills.prefill_batches) == 1 and len(torch_prefills.prefill) == 1
+    ref = reference.paged_attention(q, kc, vc, tables, lens, qsl, 0.125)
+    prefill_rows = [r for s, n in enumerate(q_lens) if n > 1 for r in range(int(qsl[s]), int(qsl[s + 1]))]
+    decode_rows = [int(qsl[s]) for s, n in enumerate(q_lens) if n == 1]
+    for out in outs:
+        assert torch.equal(out[prefill_rows], ref[prefill_rows])
+        assert torch.equal(out[decode_rows], kernel[decode_rows])
+    assert plan.torch_prefills is torch_prefills  # the second call read the first one's plan
+    assert not torch.equal(kernel[prefill_rows], ref[prefill_rows])  # (the two paths differ: the test can tell)
+    monkeypatch.undo()
+    for flags, dtype, want in (("fpu avx512f amx_tile amx_bf16", torch.bfloat16, True),
+                               ("fpu avx512f amx_tile amx_bf16", torch.float32, False),
+                               ("fpu avx512f avx512_bf16", torch.bfloat16, False)):
+        monkeypatch.setattr(cpu_attention, "_cpu_flags", lambda flags=flags: "flags\t: " + flags)
+        monkeypatch.delitem(cpu_attention._state, "amx", raising=False)
+        assert PREFILL_BY_SDPA(dtype) is want, (flags, dtype)
+    monkeypatch.delitem(cpu_attention._state, "amx", raising=False)
