@@ -98,8 +98,6 @@ __attribute__((always_inline)) inline void dots(const float* q, const float* k, 
 }
 
 
-// Brings the next sequence's K/V into the cache while this one is computed: a few lines at a
-// time, from the loops (a burst of prefetches would stall on the core's miss buffers).
 // Softmax's numerators in place: exp(score - max), float32; returns 1 / their sum.
 #ifdef __AVX512F__
 // (16 lanes at a time, with cpu_simd.h's exp: the attention op 5 % faster than through glibc's
@@ -110,15 +108,7 @@ inline float exp_scores(float* sh, int64_t L) {
   for (; p + 16 <= L; p += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sh + p));
   float m = _mm512_reduce_max_ps(mv);
   for (; p < L; ++p) m = std::max(m, sh[p]);
-  __m512 tv = _mm512_setzero_ps();
-  const __m512 mm = _mm512_set1_ps(m), lo = _mm512_set1_ps(-104.f);
-  for (p = 0; p < L; p += 16) {
-    const __mmask16 k = folio_simd::first_lanes(L - p);
-    const __m512 e = folio_simd::exp16(_mm512_max_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sh + p), mm), lo));
-    _mm512_mask_storeu_ps(sh + p, k, e);
-    tv = _mm512_add_ps(tv, _mm512_maskz_mov_ps(k, e));
-  }
-  return 1.f / _mm512_reduce_add_ps(tv);
+  return 1.f / folio_simd::exp_minus_sum(sh, L, m);
 }
 #else
 inline float exp_scores(float* sh, int64_t L) {
@@ -134,6 +124,8 @@ inline float exp_scores(float* sh, int64_t L) {
 }
 #endif
 
+// Brings the next sequence's K/V into the cache while this one is computed: a few lines at a
+// time, from the loops (a burst of prefetches would stall on the core's miss buffers).
 #ifndef PUMP_LINES
 #define PUMP_LINES 16
 #endif

@@ -33,6 +33,8 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_simd.h"
+
 namespace {
 
 inline float bf2f(uint16_t b) {
@@ -215,7 +217,6 @@ void add_rms_norm(const at::Tensor& h, const at::Tensor& r, const at::Tensor& w,
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define FOLIO_SILU_AVX512 1
-#include "cpu_simd.h"
 // 16 lanes of the loop below, with cpu_simd.h's exp (glibc's expf here: 0.76 ns an element,
 // 2.4 ms for a 2,048-token prefill's [2048, 1536] on a 2-core Xeon, most of it exp).
 using folio_simd::exp16;

@@ -232,17 +232,7 @@ void prefill_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
           const float mnew = first ? mx : std::max(w.m[m], mx);
           float sum = 0.f;
 #ifdef __AVX512F__
-          {  // cpu_simd.h's exp on 16 lanes (glibc's expf is a call per key here)
-            __m512 sv = _mm512_setzero_ps();
-            const __m512 mn = _mm512_set1_ps(mnew), lo = _mm512_set1_ps(-104.f);
-            for (int64_t k = 0; k < vc; k += 16) {
-              const __mmask16 lanes = folio_simd::first_lanes(vc - k);
-              const __m512 e = folio_simd::exp16(_mm512_max_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, sr + k), mn), lo));
-              _mm512_mask_storeu_ps(sr + k, lanes, e);
-              sv = _mm512_add_ps(sv, _mm512_maskz_mov_ps(lanes, e));
-            }
-            sum = _mm512_reduce_add_ps(sv);
-          }
+          sum = folio_simd::exp_minus_sum(sr, vc, mnew);  // 16 lanes (glibc's expf: a call per key)
 #else
 #pragma omp simd reduction(+ : sum)
           for (int64_t k = 0; k < vc; ++k) {

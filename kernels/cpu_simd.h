@@ -4,6 +4,8 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+#include <cstdint>
+
 namespace folio_simd {
 
 // exp on 16 lanes, for x within [-104, 88]: Cephes' expf (x = n ln2 + r, a degree-7 polynomial in
@@ -26,6 +28,20 @@ __attribute__((always_inline)) inline __m512 exp16(__m512 x) {
 
 // the first n (< 16) lanes, or all 16
 inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
+
+// s[i] = exp(s[i] - m) for i < n, in place (arguments below -104 taken as -104: e^-104 is 0 in
+// float32); returns their sum. A softmax's numerators, for m >= every s[i].
+inline float exp_minus_sum(float* s, int64_t n, float m) {
+  __m512 sum = _mm512_setzero_ps();
+  const __m512 mv = _mm512_set1_ps(m), lo = _mm512_set1_ps(-104.f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = first_lanes(n - i);
+    const __m512 e = exp16(_mm512_max_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + i), mv), lo));
+    _mm512_mask_storeu_ps(s + i, k, e);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
+  }
+  return _mm512_reduce_add_ps(sum);
+}
 
 }  // namespace folio_simd
 #endif
