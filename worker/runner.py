@@ -127,6 +127,11 @@ def load_shard(config: EngineConfig, rank: int = 0, port: int | None = None, fol
         device = torch.device("cuda", (device.index or 0) + rank)
     group = Group(shards) if shards.size == 1 else Group.join(shards, "127.0.0.1", port, device)
     model = load_model(config.model, dtype, device, sizes.max_model_len, mc, group)
+    if device.type == "cpu":  # a forward's activations stay mapped between steps (host_malloc.py); set
+        # after the load, whose temporaries are not worth keeping
+        from folio.worker.host_malloc import keep_freed_memory
+
+        keep_freed_memory()
     if rank > 0:
         follower = ModelRunner(model, sizes.num_kv_blocks, config.block_size, dtype, device, sizes.num_cpu_blocks,
                                layout=config.kv_cache_layout)
