@@ -9,6 +9,21 @@ when one runs, listens elsewhere and serves the same routes (the slower way in).
 
 The app is the Serve ingress's FastAPI app: its class-based routes find their replica
 through Serve's replica context, which is process-wide, so they run unchanged here.
+
+Slow clients. uvicorn times out an idle keep-alive connection, but not one that never finishes
+its request: a connection that sends nothing, or a header line every few seconds, or a body
+that stops half-way, was held for good (250 such connections stayed open for 70 s and more in
+an attack on 2026-12-05), and enough of them take every file descriptor the replica has. So
+each connection's protocol (uvicorn's own, `deadlines`) also has, as nginx's
+client_header_timeout and client_body_timeout:
+
+    HEADER_TIMEOUT_S  from the connection's start, or a request's first byte, to the end of its
+                      headers; then 408 and the connection closed
+    BODY_TIMEOUT_S    between two reads of a request body that has not ended; then the
+                      connection closed (the handler sees the client gone, as for a disconnect)
+
+Neither runs while a request is served (a long stream is not timed) or while uvicorn itself
+has paused reading.
 """
 
 from __future__ import annotations
@@ -20,6 +35,12 @@ import socket
 log = logging.getLogger("folio.http")
 
 LISTEN_BACKLOG = 2048
+HEADER_TIMEOUT_S = 30.0
+BODY_TIMEOUT_S = 60.0
+_BODY = (b'{"error":{"message":"the request\'s headers did not arrive within the server\'s time",'
+         b'"type":"invalid_request_error","param":null,"code":"request_timeout"}}')
+TIMED_OUT_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                 b"content-length: %d\r\n\r\n%s" % (len(_BODY), _BODY))
 
 
 def reuseport_socket(host: str, port: int) -> socket.socket:
@@ -38,17 +59,95 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def deadlines(base: type, header_s: float, body_s: float) -> type:
+    """uvicorn's HTTP protocol class `base` (httptools' or h11's) with the two timeouts above.
+    Both keep `cycle` (the request whose headers were read last) with `more_body` and
+    `response_complete`; a new cycle object is a request whose headers have all arrived."""
+
+    class Protocol(base):
+        _head_timer = _body_timer = None
+        _head_cycle = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm_head()
+
+        def data_received(self, data: bytes) -> None:
+            before = self.cycle
+            super().data_received(data)
+            if self.transport.is_closing():
+                return self._cancel()
+            cycle = self.cycle
+            if cycle is not before:  # a request's headers are in
+                self._cancel_head()
+            elif self._head_timer is None and (cycle is None or (cycle.response_complete and not cycle.more_body)):
+                self._arm_head()  # the first bytes of the next request
+            if cycle is not None and cycle.more_body and not cycle.disconnected:
+                if self._body_timer is not None:
+                    self._body_timer.cancel()
+                self._body_timer = self.loop.call_later(body_s, self._body_expired, cycle)
+            elif self._body_timer is not None:
+                self._body_timer.cancel()
+                self._body_timer = None
+
+        def connection_lost(self, exc) -> None:
+            self._cancel()
+            super().connection_lost(exc)
+
+        def _arm_head(self) -> None:
+            self._head_cycle = self.cycle
+            self._head_timer = self.loop.call_later(header_s, self._head_expired)
+
+        def _cancel_head(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _cancel(self) -> None:
+            self._cancel_head()
+            if self._body_timer is not None:
+                self._body_timer.cancel()
+                self._body_timer = None
+
+        def _head_expired(self) -> None:
+            self._head_timer = None
+            if self.transport.is_closing() or self.cycle is not self._head_cycle:
+                return
+            if (self.cycle is not None and not self.cycle.response_complete) or self.flow.read_paused:
+                return self._arm_head()  # a request is being served: not this timer's business
+            self.transport.write(TIMED_OUT_408)
+            self.transport.close()
+
+        def _body_expired(self, cycle) -> None:
+            self._body_timer = None
+            if self.transport.is_closing() or self.cycle is not cycle or not cycle.more_body:
+                return
+            if self.flow.read_paused:  # uvicorn stopped reading, not the client stopping
+                self._body_timer = self.loop.call_later(body_s, self._body_expired, cycle)
+                return
+            self.transport.close()
+
+    Protocol.__name__ = Protocol.__qualname__ = f"Deadline{base.__name__}"
+    return Protocol
+
+
 class HTTPServer:
     """uvicorn on the running event loop, serving `app` on a shared (SO_REUSEPORT) port."""
 
-    def __init__(self, app, host: str, port: int, keep_alive_s: float = 90.0) -> None:
+    def __init__(self, app, host: str, port: int, keep_alive_s: float = 90.0,
+                 header_timeout_s: float = HEADER_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S,
+                 protocol: type | None = None) -> None:
+        """`protocol`: uvicorn's HTTP protocol class to put the deadlines on (default: httptools'
+        where it is installed, else h11's, as uvicorn picks)."""
         import uvicorn
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
         self.host, self.port = host, port
         self.sock = reuseport_socket(host, port)
         logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)  # errors are answered, not logged
         config = uvicorn.Config(app, lifespan="off", access_log=False, log_level=None, log_config=None,
-                                timeout_keep_alive=keep_alive_s)
+                                timeout_keep_alive=keep_alive_s,
+                                http=deadlines(protocol or AutoHTTPProtocol, header_timeout_s, body_timeout_s))
         self.server = uvicorn.Server(config)
         self.server.install_signal_handlers = lambda: None  # the replica's signals are Ray's
         self.task: asyncio.Task | None = None

@@ -1,0 +1,170 @@
+"""Slow HTTP clients cannot hold a replica's connections (deploy/http_server.py: deadlines).
+
+The replica's own uvicorn server, on a real socket, with a small ASGI app and timeouts of
+0.5 s; clients are raw sockets that stall where a hostile one would."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+
+from folio.deploy.http_server import HTTPServer
+
+T = 0.5  # both timeouts, in these tests
+
+
+class Server:
+    def __init__(self, protocol: type) -> None:
+        self.disconnects = 0
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        async def app(scope, receive, send):  # a function: uvicorn takes a bound method for ASGI 2
+            await self.app(scope, receive, send)
+
+        async def start():
+            self.http = HTTPServer(app, "127.0.0.1", 0, header_timeout_s=T, body_timeout_s=T,
+                                   protocol=protocol).start()
+            self.port = self.http.sock.getsockname()[1]
+            ready.set()
+
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(start(), self.loop)
+        assert ready.wait(10)
+
+    async def app(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            m = await receive()
+            if m["type"] == "http.disconnect":
+                self.disconnects += 1
+                return
+            body += m.get("body", b"")
+            if not m.get("more_body"):
+                break
+        if scope["path"] == "/slow":
+            await asyncio.sleep(3 * T)  # longer than both timeouts: serving is not timed
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    def connect(self) -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+        return s
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.http.stop(), self.loop).result(20)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module", params=["httptools", "h11"])
+def server(request):
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    s = Server({"httptools": HttpToolsProtocol, "h11": H11Protocol}[request.param])
+    yield s
+    s.stop()
+
+
+def read_all(s: socket.socket) -> bytes:
+    out = b""
+    while chunk := s.recv(65536):
+        out += chunk
+    return out
+
+
+def request(path: str = "/echo", body: bytes = b"hello") -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-length: {len(body)}\r\n\r\n").encode() + body
+
+
+def assert_answered(s: socket.socket, body: bytes = b"hello") -> None:
+    got = b""
+    while b"\r\n\r\n" not in got or not got.endswith(body):
+        chunk = s.recv(65536)
+        assert chunk, f"closed before the answer: {got!r}"
+        got += chunk
+    assert got.startswith(b"HTTP/1.1 200"), got
+
+
+def test_a_connection_that_sends_nothing_gets_408_and_is_closed(server):
+    with server.connect() as s:
+        t0 = time.monotonic()
+        got = read_all(s)
+        assert got.startswith(b"HTTP/1.1 408") and b'"code":"request_timeout"' in got, got
+        assert T * 0.8 < time.monotonic() - t0 < T + 2
+
+
+@pytest.mark.parametrize("split", [1, 7, 20, 33])
+def test_headers_dripped_slower_than_the_deadline_are_cut_off(server, split):
+    head = request()
+    with server.connect() as s:
+        t0 = time.monotonic()
+        s.sendall(head[:split])
+        try:
+            for b in head[split:split + 12]:  # a byte every T/4: the deadline is for the whole head
+                time.sleep(T / 4)
+                s.sendall(bytes([b]))
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        got = read_all(s)
+        assert got.startswith(b"HTTP/1.1 408"), got
+        assert time.monotonic() - t0 < T + 2
+
+
+def test_a_body_that_stops_closes_the_connection_and_the_handler_sees_a_disconnect(server):
+    before = server.disconnects
+    with server.connect() as s:
+        s.sendall(request(body=b"0123456789")[:-7])
+        t0 = time.monotonic()
+        assert read_all(s) == b""  # closed, no answer
+        assert T * 0.8 < time.monotonic() - t0 < T + 2
+    deadline = time.monotonic() + 5
+    while server.disconnects == before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.disconnects == before + 1
+
+
+def test_a_body_that_keeps_coming_is_read_whole(server):
+    body = b"abcdefgh"
+    with server.connect() as s:
+        s.sendall(request(body=body)[:-len(body)])
+        for b in body:  # 8 reads over 2 x T: each gap under the body timeout
+            time.sleep(T / 4)
+            s.sendall(bytes([b]))
+        assert_answered(s, body)
+
+
+def test_serving_is_not_timed_and_keep_alive_requests_get_their_own_deadline(server):
+    with server.connect() as s:
+        s.sendall(request("/slow"))
+        assert_answered(s)  # took 3 x T
+        s.sendall(request())
+        assert_answered(s)
+        time.sleep(T / 2)
+        s.sendall(b"POST /echo HTTP/1.1\r\n")  # the next request's first line, then nothing
+        got = read_all(s)
+        assert got.startswith(b"HTTP/1.1 408"), got
+
+
+def test_many_stalled_connections_go_and_the_server_still_answers(server):
+    stalled = [server.connect() for _ in range(200)]
+    for i, s in enumerate(stalled):
+        s.sendall(request()[: i % 40])
+    with server.connect() as s:  # answered meanwhile
+        s.sendall(request())
+        assert_answered(s)
+    t0 = time.monotonic()
+    for s in stalled:
+        s.settimeout(T + 5)
+        read_all(s)  # closed by the server (a timeout here raises)
+        s.close()
+    assert time.monotonic() - t0 < T + 5
