@@ -24,6 +24,14 @@ client_header_timeout and client_body_timeout:
 
 Neither runs while a request is served (a long stream is not timed) or while uvicorn itself
 has paused reading.
+
+Large heads. Nor did anything bound a request's line and headers: an 8 MiB header was read
+and answered, and httptools joins a header value that arrives over many reads by copying it
+whole each time, so one 256 MiB header held the replica's event loop (every stream it serves)
+for seconds per MiB (a `/health` beside it took 3.5 -> 14.8 s). So
+
+    MAX_HEAD_BYTES    64 KiB of request line and headers (nginx allows 4 x 8 KiB, h11 16 KiB);
+                      past it 431 and the connection closed, before the parser sees more
 """
 
 from __future__ import annotations
@@ -37,10 +45,21 @@ log = logging.getLogger("folio.http")
 LISTEN_BACKLOG = 2048
 HEADER_TIMEOUT_S = 30.0
 BODY_TIMEOUT_S = 60.0
-_BODY = (b'{"error":{"message":"the request\'s headers did not arrive within the server\'s time",'
-         b'"type":"invalid_request_error","param":null,"code":"request_timeout"}}')
-TIMED_OUT_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-                 b"content-length: %d\r\n\r\n%s" % (len(_BODY), _BODY))
+MAX_HEAD_BYTES = 64 << 10
+
+
+def _closing_answer(status: bytes, message: bytes, code: bytes) -> bytes:
+    body = (b'{"error":{"message":"%s","type":"invalid_request_error","param":null,"code":"%s"}}'
+            % (message, code))
+    return (b"HTTP/1.1 %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: %d\r\n\r\n%s" % (status, len(body), body))
+
+
+TIMED_OUT_408 = _closing_answer(b"408 Request Timeout", b"the request's headers did not arrive within the server's time",
+                                b"request_timeout")
+HEAD_TOO_LARGE_431 = _closing_answer(b"431 Request Header Fields Too Large",
+                                     b"the request line and headers are over %d bytes" % MAX_HEAD_BYTES,
+                                     b"request_header_fields_too_large")
 
 
 def reuseport_socket(host: str, port: int) -> socket.socket:
@@ -59,14 +78,16 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def deadlines(base: type, header_s: float, body_s: float) -> type:
-    """uvicorn's HTTP protocol class `base` (httptools' or h11's) with the two timeouts above.
+def deadlines(base: type, header_s: float, body_s: float, max_head: int = MAX_HEAD_BYTES) -> type:
+    """uvicorn's HTTP protocol class `base` (httptools' or h11's) with the two timeouts and the
+    head size bound above.
     Both keep `cycle` (the request whose headers were read last) with `more_body` and
     `response_complete`; a new cycle object is a request whose headers have all arrived."""
 
     class Protocol(base):
         _head_timer = _body_timer = None
         _head_cycle = None
+        _head_bytes = 0
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -74,14 +95,23 @@ def deadlines(base: type, header_s: float, body_s: float) -> type:
 
         def data_received(self, data: bytes) -> None:
             before = self.cycle
+            in_body = before is not None and before.more_body and not before.disconnected
             super().data_received(data)
             if self.transport.is_closing():
                 return self._cancel()
             cycle = self.cycle
             if cycle is not before:  # a request's headers are in
                 self._cancel_head()
-            elif self._head_timer is None and (cycle is None or (cycle.response_complete and not cycle.more_body)):
-                self._arm_head()  # the first bytes of the next request
+                self._head_bytes = 0
+            else:
+                if not in_body:  # every byte of `data` went to a request line or headers still open
+                    self._head_bytes += len(data)
+                    if self._head_bytes > max_head:
+                        self.transport.write(HEAD_TOO_LARGE_431)
+                        self.transport.close()
+                        return self._cancel()
+                if self._head_timer is None and (cycle is None or (cycle.response_complete and not cycle.more_body)):
+                    self._arm_head()  # the first bytes of the next request
             if cycle is not None and cycle.more_body and not cycle.disconnected:
                 if self._body_timer is not None:
                     self._body_timer.cancel()
@@ -147,7 +177,9 @@ class HTTPServer:
         logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)  # errors are answered, not logged
         config = uvicorn.Config(app, lifespan="off", access_log=False, log_level=None, log_config=None,
                                 timeout_keep_alive=keep_alive_s,
-                                http=deadlines(protocol or AutoHTTPProtocol, header_timeout_s, body_timeout_s))
+                                http=deadlines(protocol or AutoHTTPProtocol, header_timeout_s, body_timeout_s),
+                                # h11's own bound above ours plus a read (<= 256 KiB), so ours answers first
+                                h11_max_incomplete_event_size=MAX_HEAD_BYTES + (512 << 10))
         self.server = uvicorn.Server(config)
         self.server.install_signal_handlers = lambda: None  # the replica's signals are Ray's
         self.task: asyncio.Task | None = None

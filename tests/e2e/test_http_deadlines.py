@@ -1,4 +1,5 @@
-"""Slow HTTP clients cannot hold a replica's connections (deploy/http_server.py: deadlines).
+"""Slow HTTP clients cannot hold a replica's connections, nor a large head its event loop
+(deploy/http_server.py: deadlines).
 
 The replica's own uvicorn server, on a real socket, with a small ASGI app and timeouts of
 0.5 s; clients are raw sockets that stall where a hostile one would."""
@@ -12,7 +13,7 @@ import time
 
 import pytest
 
-from folio.deploy.http_server import HTTPServer
+from folio.deploy.http_server import MAX_HEAD_BYTES, HTTPServer
 
 T = 0.5  # both timeouts, in these tests
 
@@ -168,3 +169,46 @@ def test_many_stalled_connections_go_and_the_server_still_answers(server):
         read_all(s)  # closed by the server (a timeout here raises)
         s.close()
     assert time.monotonic() - t0 < T + 5
+
+
+def head_with(header_bytes: int, n: int = 1) -> bytes:
+    """A request whose head carries `n` headers of about `header_bytes` bytes in all."""
+    each = header_bytes // n
+    return (b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n"
+            + b"".join(b"x-h%d: %s\r\n" % (i, b"a" * each) for i in range(n)) + b"\r\n")
+
+
+@pytest.mark.parametrize("n", [1, 4000])
+def test_a_head_over_the_bound_is_431_at_once_and_the_loop_keeps_serving(server, n):
+    with server.connect() as s, server.connect() as other:
+        t0 = time.monotonic()
+        try:
+            head = head_with(8 << 20, n)
+            for i in range(0, len(head), 1 << 20):  # 8 MiB, a MiB at a time
+                s.sendall(head[i:i + (1 << 20)])
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # closed once past the bound, as it should
+        other.sendall(request())
+        assert_answered(other)
+        try:
+            got = read_all(s)
+        except ConnectionResetError:  # the rest of our 8 MiB arrived after the close
+            got = b"HTTP/1.1 431 (reset after it)"
+        assert got.startswith(b"HTTP/1.1 431"), got[:200]
+        assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize("size", [MAX_HEAD_BYTES // 2, MAX_HEAD_BYTES - 200])
+def test_a_head_under_the_bound_is_served_with_its_body_in_the_same_write(server, size):
+    with server.connect() as s:
+        s.sendall(head_with(size, 8) + b"hello")
+        assert_answered(s)
+
+
+def test_a_large_body_is_not_counted_as_head(server):
+    body = b"b" * (4 * MAX_HEAD_BYTES)
+    with server.connect() as s:
+        s.sendall(request(body=body))  # one write: its head and a body 4x the head bound
+        assert_answered(s, body)
+        s.sendall(request(body=body[:1000]))  # and on the same connection, kept alive
+        assert_answered(s, body[:1000])
