@@ -32,6 +32,10 @@ for seconds per MiB (a `/health` beside it took 3.5 -> 14.8 s). So
 
     MAX_HEAD_BYTES    64 KiB of request line and headers (nginx allows 4 x 8 KiB, h11 16 KiB);
                       past it 431 and the connection closed, before the parser sees more
+
+and a body's bytes on the wire (its chunks' framing and its trailers too: the app counts only
+the body, and a 256 MiB trailer took the loop 81 s to parse) at most twice the app's body
+bound plus MAX_HEAD_BYTES; past it 413 and the connection closed.
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ def _closing_answer(status: bytes, message: bytes, code: bytes) -> bytes:
 
 TIMED_OUT_408 = _closing_answer(b"408 Request Timeout", b"the request's headers did not arrive within the server's time",
                                 b"request_timeout")
+BODY_TOO_LARGE_413 = _closing_answer(b"413 Content Too Large", b"the request body is over the server's bound",
+                                     b"body_too_large")
 HEAD_TOO_LARGE_431 = _closing_answer(b"431 Request Header Fields Too Large",
                                      b"the request line and headers are over %d bytes" % MAX_HEAD_BYTES,
                                      b"request_header_fields_too_large")
@@ -78,16 +84,19 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def deadlines(base: type, header_s: float, body_s: float, max_head: int = MAX_HEAD_BYTES) -> type:
+def deadlines(base: type, header_s: float, body_s: float, max_head: int = MAX_HEAD_BYTES,
+              max_body: int = 8 << 20) -> type:
     """uvicorn's HTTP protocol class `base` (httptools' or h11's) with the two timeouts and the
-    head size bound above.
+    size bounds above (`max_body`: the app's own body bound).
     Both keep `cycle` (the request whose headers were read last) with `more_body` and
     `response_complete`; a new cycle object is a request whose headers have all arrived."""
+
+    max_wire_body = 2 * max_body + max_head
 
     class Protocol(base):
         _head_timer = _body_timer = None
         _head_cycle = None
-        _head_bytes = 0
+        _head_bytes = _body_bytes = 0
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -102,14 +111,16 @@ def deadlines(base: type, header_s: float, body_s: float, max_head: int = MAX_HE
             cycle = self.cycle
             if cycle is not before:  # a request's headers are in
                 self._cancel_head()
-                self._head_bytes = 0
+                self._head_bytes = self._body_bytes = 0
             else:
                 if not in_body:  # every byte of `data` went to a request line or headers still open
                     self._head_bytes += len(data)
                     if self._head_bytes > max_head:
-                        self.transport.write(HEAD_TOO_LARGE_431)
-                        self.transport.close()
-                        return self._cancel()
+                        return self._refuse(HEAD_TOO_LARGE_431)
+                else:  # body, chunk framing, trailers
+                    self._body_bytes += len(data)
+                    if self._body_bytes > max_wire_body:
+                        return self._refuse(BODY_TOO_LARGE_413)
                 if self._head_timer is None and (cycle is None or (cycle.response_complete and not cycle.more_body)):
                     self._arm_head()  # the first bytes of the next request
             if cycle is not None and cycle.more_body and not cycle.disconnected:
@@ -127,6 +138,11 @@ def deadlines(base: type, header_s: float, body_s: float, max_head: int = MAX_HE
         def _arm_head(self) -> None:
             self._head_cycle = self.cycle
             self._head_timer = self.loop.call_later(header_s, self._head_expired)
+
+        def _refuse(self, answer: bytes) -> None:
+            self.transport.write(answer)
+            self.transport.close()
+            self._cancel()
 
         def _cancel_head(self) -> None:
             if self._head_timer is not None:
@@ -166,7 +182,7 @@ class HTTPServer:
 
     def __init__(self, app, host: str, port: int, keep_alive_s: float = 90.0,
                  header_timeout_s: float = HEADER_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S,
-                 protocol: type | None = None) -> None:
+                 protocol: type | None = None, max_body_bytes: int = 8 << 20) -> None:
         """`protocol`: uvicorn's HTTP protocol class to put the deadlines on (default: httptools'
         where it is installed, else h11's, as uvicorn picks)."""
         import uvicorn
@@ -177,7 +193,8 @@ class HTTPServer:
         logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)  # errors are answered, not logged
         config = uvicorn.Config(app, lifespan="off", access_log=False, log_level=None, log_config=None,
                                 timeout_keep_alive=keep_alive_s,
-                                http=deadlines(protocol or AutoHTTPProtocol, header_timeout_s, body_timeout_s),
+                                http=deadlines(protocol or AutoHTTPProtocol, header_timeout_s, body_timeout_s,
+                                               max_body=max_body_bytes),
                                 # h11's own bound above ours plus a read (<= 256 KiB), so ours answers first
                                 h11_max_incomplete_event_size=MAX_HEAD_BYTES + (512 << 10))
         self.server = uvicorn.Server(config)

@@ -102,7 +102,7 @@ class FolioFrontend:
         if cfg.http_port:  # the API on this replica's own server: no Ray hop per chunk (http_server.py)
             from folio.deploy.http_server import HTTPServer
 
-            self.http = HTTPServer(api, cfg.host, cfg.http_port).start(
+            self.http = HTTPServer(api, cfg.host, cfg.http_port, max_body_bytes=cfg.max_body_bytes).start(
                 ready=lambda: serve.get_replica_context().servable_object is not None)
         self.metrics_server = None
         if cfg.metrics_port:

@@ -16,6 +16,7 @@ import pytest
 from folio.deploy.http_server import MAX_HEAD_BYTES, HTTPServer
 
 T = 0.5  # both timeouts, in these tests
+MAX_BODY = 1 << 20  # the app's body bound, as `folio serve --max-body-bytes` passes it
 
 
 class Server:
@@ -29,7 +30,7 @@ class Server:
 
         async def start():
             self.http = HTTPServer(app, "127.0.0.1", 0, header_timeout_s=T, body_timeout_s=T,
-                                   protocol=protocol).start()
+                                   protocol=protocol, max_body_bytes=MAX_BODY).start()
             self.port = self.http.sock.getsockname()[1]
             ready.set()
 
@@ -212,3 +213,32 @@ def test_a_large_body_is_not_counted_as_head(server):
         assert_answered(s, body)
         s.sendall(request(body=body[:1000]))  # and on the same connection, kept alive
         assert_answered(s, body[:1000])
+
+
+def test_a_trailer_cannot_grow_without_bound(server):
+    with server.connect() as s, server.connect() as other:
+        s.sendall(b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\nx-t: ")
+        t0 = time.monotonic()
+        try:
+            for _ in range(16):  # 16 MiB of one trailer line, where the body itself is 5 bytes
+                s.sendall(b"a" * (1 << 20))
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        other.sendall(request())
+        assert_answered(other)
+        try:
+            got = read_all(s)
+        except ConnectionResetError:
+            got = b"HTTP/1.1 413 (reset after it)"
+        # ours, or h11's own bound on an incomplete event (a trailer line is one), which comes first
+        assert got[:12] in (b"HTTP/1.1 413", b"HTTP/1.1 400"), got[:200]
+        assert time.monotonic() - t0 < 5
+
+
+def test_a_chunked_body_under_the_bound_is_read_whole_in_small_chunks(server):
+    body = bytes(range(256)) * (MAX_BODY // 256)  # the app's whole bound, in 1 KiB chunks
+    framed = b"".join(b"%x\r\n%s\r\n" % (1024, body[i:i + 1024]) for i in range(0, len(body), 1024))
+    with server.connect() as s:
+        s.sendall(b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n" + framed
+                  + b"0\r\nx-trailer: ok\r\n\r\n")
+        assert_answered(s, body)
