@@ -31,7 +31,7 @@ whole each time, so one 256 MiB header held the replica's event loop (every stre
 for seconds per MiB (a `/health` beside it took 3.5 -> 14.8 s). So
 
     MAX_HEAD_BYTES    64 KiB of request line and headers (nginx allows 4 x 8 KiB, h11 16 KiB);
-                      past it 431 and the connection closed, before the parser sees more
+                      past it 431 and the connection closed (the parser sees at most one read more)
 
 and a body's bytes on the wire (its chunks' framing and its trailers too: the app counts only
 the body, and a 256 MiB trailer took the loop 81 s to parse) at most twice the app's body
@@ -120,7 +120,7 @@ def deadlines(base: type, header_s: float, body_s: float, max_head: int = MAX_HE
                 else:  # body, chunk framing, trailers
                     self._body_bytes += len(data)
                     if self._body_bytes > max_wire_body:
-                        return self._refuse(BODY_TOO_LARGE_413)
+                        return self._refuse(BODY_TOO_LARGE_413, its_body=True)
                 if self._head_timer is None and (cycle is None or (cycle.response_complete and not cycle.more_body)):
                     self._arm_head()  # the first bytes of the next request
             if cycle is not None and cycle.more_body and not cycle.disconnected:
@@ -139,8 +139,11 @@ def deadlines(base: type, header_s: float, body_s: float, max_head: int = MAX_HE
             self._head_cycle = self.cycle
             self._head_timer = self.loop.call_later(header_s, self._head_expired)
 
-        def _refuse(self, answer: bytes) -> None:
-            self.transport.write(answer)
+        def _refuse(self, answer: bytes, its_body: bool = False) -> None:
+            # answered unless a response is under way, or (for a body) already sent
+            c = self.cycle
+            if c is None or not c.response_started or (c.response_complete and not its_body):
+                self.transport.write(answer)
             self.transport.close()
             self._cancel()
 
