@@ -84,100 +84,103 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def deadlines(base: type, header_s: float, body_s: float, max_head: int = MAX_HEAD_BYTES,
-              max_body: int = 8 << 20) -> type:
-    """uvicorn's HTTP protocol class `base` (httptools' or h11's) with the two timeouts and the
-    size bounds above (`max_body`: the app's own body bound).
-    Both keep `cycle` (the request whose headers were read last) with `more_body` and
-    `response_complete`; a new cycle object is a request whose headers have all arrived."""
+class _Deadlines:
+    """The timeouts and size bounds above, mixed into uvicorn's HTTP protocol class (httptools'
+    or h11's; `deadlines` makes the class). Both keep `cycle` (the request whose headers were
+    read last) with `more_body`, `response_started` and `response_complete`; a new cycle object
+    is a request whose headers have all arrived."""
 
-    max_wire_body = 2 * max_body + max_head
+    header_s, body_s, max_head, max_wire_body = HEADER_TIMEOUT_S, BODY_TIMEOUT_S, MAX_HEAD_BYTES, 0
+    _head_timer = _body_timer = None
+    _head_cycle = None
+    _head_bytes = _body_bytes = 0
 
-    class Protocol(base):
-        _head_timer = _body_timer = None
-        _head_cycle = None
-        _head_bytes = _body_bytes = 0
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm_head()
 
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._arm_head()
-
-        def data_received(self, data: bytes) -> None:
-            before = self.cycle
-            in_body = before is not None and before.more_body and not before.disconnected
-            super().data_received(data)
-            if self.transport.is_closing():
-                return self._cancel()
-            cycle = self.cycle
-            if cycle is not before:  # a request's headers are in
-                self._cancel_head()
-                self._head_bytes = self._body_bytes = 0
-            else:
-                if not in_body:  # every byte of `data` went to a request line or headers still open
-                    self._head_bytes += len(data)
-                    if self._head_bytes > max_head:
-                        return self._refuse(HEAD_TOO_LARGE_431)
-                else:  # body, chunk framing, trailers
-                    self._body_bytes += len(data)
-                    if self._body_bytes > max_wire_body:
-                        return self._refuse(BODY_TOO_LARGE_413, its_body=True)
-                if self._head_timer is None and (cycle is None or (cycle.response_complete and not cycle.more_body)):
-                    self._arm_head()  # the first bytes of the next request
-            if cycle is not None and cycle.more_body and not cycle.disconnected:
-                if self._body_timer is not None:
-                    self._body_timer.cancel()
-                self._body_timer = self.loop.call_later(body_s, self._body_expired, cycle)
-            elif self._body_timer is not None:
-                self._body_timer.cancel()
-                self._body_timer = None
-
-        def connection_lost(self, exc) -> None:
-            self._cancel()
-            super().connection_lost(exc)
-
-        def _arm_head(self) -> None:
-            self._head_cycle = self.cycle
-            self._head_timer = self.loop.call_later(header_s, self._head_expired)
-
-        def _refuse(self, answer: bytes, its_body: bool = False) -> None:
-            # answered unless a response is under way, or (for a body) already sent
-            c = self.cycle
-            if c is None or not c.response_started or (c.response_complete and not its_body):
-                self.transport.write(answer)
-            self.transport.close()
-            self._cancel()
-
-        def _cancel_head(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-
-        def _cancel(self) -> None:
+    def data_received(self, data: bytes) -> None:
+        before = self.cycle
+        in_body = before is not None and before.more_body and not before.disconnected
+        super().data_received(data)
+        if self.transport.is_closing():
+            return self._cancel()
+        cycle = self.cycle
+        if cycle is not before:  # a request's headers are in
             self._cancel_head()
+            self._head_bytes = self._body_bytes = 0
+        else:
+            if not in_body:  # every byte of `data` went to a request line or headers still open
+                self._head_bytes += len(data)
+                if self._head_bytes > self.max_head:
+                    return self._refuse(HEAD_TOO_LARGE_431)
+            else:  # body, chunk framing, trailers
+                self._body_bytes += len(data)
+                if self._body_bytes > self.max_wire_body:
+                    return self._refuse(BODY_TOO_LARGE_413, its_body=True)
+            if self._head_timer is None and (cycle is None or (cycle.response_complete and not cycle.more_body)):
+                self._arm_head()  # the first bytes of the next request
+        if cycle is not None and cycle.more_body and not cycle.disconnected:
             if self._body_timer is not None:
                 self._body_timer.cancel()
-                self._body_timer = None
-
-        def _head_expired(self) -> None:
-            self._head_timer = None
-            if self.transport.is_closing() or self.cycle is not self._head_cycle:
-                return
-            if (self.cycle is not None and not self.cycle.response_complete) or self.flow.read_paused:
-                return self._arm_head()  # a request is being served: not this timer's business
-            self.transport.write(TIMED_OUT_408)
-            self.transport.close()
-
-        def _body_expired(self, cycle) -> None:
+            self._body_timer = self.loop.call_later(self.body_s, self._body_expired, cycle)
+        elif self._body_timer is not None:
+            self._body_timer.cancel()
             self._body_timer = None
-            if self.transport.is_closing() or self.cycle is not cycle or not cycle.more_body:
-                return
-            if self.flow.read_paused:  # uvicorn stopped reading, not the client stopping
-                self._body_timer = self.loop.call_later(body_s, self._body_expired, cycle)
-                return
-            self.transport.close()
 
-    Protocol.__name__ = Protocol.__qualname__ = f"Deadline{base.__name__}"
-    return Protocol
+    def connection_lost(self, exc) -> None:
+        self._cancel()
+        super().connection_lost(exc)
+
+    def _refuse(self, answer: bytes, its_body: bool = False) -> None:
+        # answered unless a response is under way, or (for a body) already sent
+        c = self.cycle
+        if c is None or not c.response_started or (c.response_complete and not its_body):
+            self.transport.write(answer)
+        self.transport.close()
+        self._cancel()
+
+    def _arm_head(self) -> None:
+        self._head_cycle = self.cycle
+        self._head_timer = self.loop.call_later(self.header_s, self._head_expired)
+
+    def _cancel_head(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _cancel(self) -> None:
+        self._cancel_head()
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _head_expired(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or self.cycle is not self._head_cycle:
+            return
+        if (self.cycle is not None and not self.cycle.response_complete) or self.flow.read_paused:
+            return self._arm_head()  # a request is being served: not this timer's business
+        self.transport.write(TIMED_OUT_408)
+        self.transport.close()
+
+    def _body_expired(self, cycle) -> None:
+        self._body_timer = None
+        if self.transport.is_closing() or self.cycle is not cycle or not cycle.more_body:
+            return
+        if self.flow.read_paused:  # uvicorn stopped reading, not the client stopping
+            self._body_timer = self.loop.call_later(self.body_s, self._body_expired, cycle)
+            return
+        self.transport.close()
+
+
+def deadlines(base: type, header_s: float, body_s: float, max_head: int = MAX_HEAD_BYTES,
+              max_body: int = 8 << 20) -> type:
+    """uvicorn's HTTP protocol class `base` with `_Deadlines` (`max_body`: the app's own body
+    bound; a body's bytes on the wire may be twice it plus `max_head`)."""
+    return type(f"Deadline{base.__name__}", (_Deadlines, base),
+                {"header_s": header_s, "body_s": body_s, "max_head": max_head,
+                 "max_wire_body": 2 * max_body + max_head})
 
 
 class HTTPServer:
