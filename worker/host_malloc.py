@@ -8,8 +8,9 @@ threshold. Its defaults move both with the blocks it sees (the "dynamic threshol
 forward's mix of sizes keeps it giving memory back and faulting it in again, zeroed, 4 KB at a
 time. Measured on the 2-core AMX Xeon (SmolLM2-135M, 2,048-token prefill steps of 64 x 128
 prompts): 30,000-74,000 page faults per step in bfloat16 and 97,000-141,000 in float32; with
-the settings below, 0-2,000 (~0 once warm). The prefill step took 339-409 -> 320-356 ms in
-bfloat16 (4 processes each, alternated A B B A) and 1,578 -> 1,437 ms in float32; decode
+a 512 MB trim threshold, 0-2,000 (~0 once warm). The prefill step took 339-409 -> 320-356 ms
+in bfloat16 (4 processes each, alternated A B B A) and 1,578 -> 1,437 ms in float32; with the
+256 MB below, through the engine's own call, 0-1,935 faults and 350-365 ms against 410; decode
 steps, whose tensors are small, ~1 %. Either setting alone is worse than glibc's defaults (it
 turns the other's dynamic adjustment off): only a 512 MB trim threshold, 340,000 faults and
 718 ms a step; only the 32 MB mmap threshold, 180,000 and 551 ms. vLLM's CPU backend gets the
