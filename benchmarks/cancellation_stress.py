@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -100,6 +101,9 @@ def stop_server(srv: dict) -> int | None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    if proc.returncode == 0:  # a clean stop: its log has nothing to tell (kept otherwise, for the failure)
+        with contextlib.suppress(OSError):
+            os.unlink(srv["log"])
     return proc.returncode
 
 
