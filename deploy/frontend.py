@@ -16,6 +16,7 @@ ones; each frontend maps them to its status codes.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 import uuid
@@ -74,6 +75,22 @@ def default_max_tokens(max_model_len: int, block_size: int, kv_blocks: list[int]
         if b > 0:
             room = min(room, ((b - shared) // n + shared) * block_size - n_prompt)
     return max(room, 1)
+
+
+def fit_context(max_model_len: int, prompts: list[list[int]], params: SamplingParams,
+                param: str = "max_tokens") -> SamplingParams:
+    """vLLM 0.32's answer to a prompt plus max_tokens past max_model_len: max_tokens (and
+    min_tokens) cut to what fits after the shortest prompt, so each completion ends with
+    finish_reason "length" where its context is full (the engine stops every sequence at
+    max_model_len, so a longer prompt of the same request gets less); a max_tokens above
+    max_model_len itself is a 400, as there. A prompt that fits no token is `check`'s refusal."""
+    if params.max_tokens > max_model_len:
+        raise InvalidRequestError(f"{param}={params.max_tokens} cannot be greater than max_model_len="
+                                  f"{max_model_len}. Please request fewer output tokens.", param=param)
+    room = max(1, max_model_len - min(len(p) for p in prompts))
+    if params.max_tokens <= room:
+        return params
+    return dataclasses.replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
 
 
 class Admission:

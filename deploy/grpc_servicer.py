@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import grpc
 
-from folio.deploy.frontend import Frontend
+from folio.deploy.frontend import Frontend, fit_context
 from folio.deploy.grpc_convert import pb_logprobs, sampling_params, status_of
 from folio.v1 import generate_pb2 as pb
 from folio.v1 import generate_pb2_grpc as pb_grpc
@@ -42,11 +42,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 raise InvalidRequestError(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
             params = sampling_params(request.sampling)
             ids = await self._prompt(request)
-            limit = self.frontend.cfg.max_model_len
-            if len(ids) < limit < len(ids) + params.max_tokens:  # refused as over HTTP, never clamped
-                raise InvalidRequestError(f"This model's maximum context length is {limit} tokens. However, you "
-                                          f"requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the "
-                                          f"prompt, {params.max_tokens} in the completion)", param="max_tokens")
+            params = fit_context(self.frontend.cfg.max_model_len, [ids], params)
             gen = self.frontend.generate(ids, params, request.priority, request.request_id or None)
             try:
                 async for chunk in gen:

@@ -36,6 +36,17 @@ for seconds per MiB (a `/health` beside it took 3.5 -> 14.8 s). So
 and a body's bytes on the wire (its chunks' framing and its trailers too: the app counts only
 the body, and a 256 MiB trailer took the loop 81 s to parse) at most twice the app's body
 bound plus MAX_HEAD_BYTES; past it 413 and the connection closed.
+
+Clients that do not read. A response the client never reads stays in the socket's buffers, and
+a connection closed with bytes still unsent is closed only once they are sent: so a client
+that stops reading held its connection (and a stream's buffered text) for as long as it liked,
+after its request had ended too. As nginx's send_timeout:
+
+    SEND_TIMEOUT_S    while bytes of a response wait to be sent, the longest time in which the
+                      client takes none of them; then the connection is reset (abort: nothing
+                      more is sent, its request is aborted as for a disconnect)
+
+A slow reader that keeps taking bytes is never cut.
 """
 
 from __future__ import annotations
@@ -49,6 +60,7 @@ log = logging.getLogger("folio.http")
 LISTEN_BACKLOG = 2048
 HEADER_TIMEOUT_S = 30.0
 BODY_TIMEOUT_S = 60.0
+SEND_TIMEOUT_S = 60.0
 MAX_HEAD_BYTES = 64 << 10
 
 
@@ -84,20 +96,59 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Counted:
+    """The transport as uvicorn's protocol sees it: every write (and close) also tells the
+    protocol, which watches the bytes that wait (`_Deadlines._watch_send`)."""
+
+    def __init__(self, transport, protocol) -> None:
+        self._transport, self._protocol, self.written = transport, protocol, 0
+
+    def write(self, data) -> None:
+        self._transport.write(data)
+        self.written += len(data)
+        self._protocol._watch_send()
+
+    def close(self) -> None:
+        self._transport.close()
+        self._protocol._watch_send()
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+
 class _Deadlines:
     """The timeouts and size bounds above, mixed into uvicorn's HTTP protocol class (httptools'
     or h11's; `deadlines` makes the class). Both keep `cycle` (the request whose headers were
     read last) with `more_body`, `response_started` and `response_complete`; a new cycle object
     is a request whose headers have all arrived."""
 
-    header_s, body_s, max_head, max_wire_body = HEADER_TIMEOUT_S, BODY_TIMEOUT_S, MAX_HEAD_BYTES, 0
-    _head_timer = _body_timer = None
+    header_s, body_s, send_s = HEADER_TIMEOUT_S, BODY_TIMEOUT_S, SEND_TIMEOUT_S
+    max_head, max_wire_body = MAX_HEAD_BYTES, 0
+    _head_timer = _body_timer = _send_timer = None
     _head_cycle = None
-    _head_bytes = _body_bytes = 0
+    _head_bytes = _body_bytes = _sent_mark = 0
+    _lost = False
 
     def connection_made(self, transport) -> None:
-        super().connection_made(transport)
+        super().connection_made(_Counted(transport, self))
         self._arm_head()
+
+    def _watch_send(self) -> None:
+        """Bytes wait to be sent: if none of them leaves within send_s, the connection is reset."""
+        if self._send_timer is None and not self._lost:
+            waiting = self.transport._transport.get_write_buffer_size()
+            if waiting:
+                self._sent_mark = self.transport.written - waiting
+                self._send_timer = self.loop.call_later(self.send_s, self._send_expired)
+
+    def _send_expired(self) -> None:
+        self._send_timer = None
+        raw = self.transport._transport
+        waiting = raw.get_write_buffer_size()
+        if waiting and self.transport.written - waiting == self._sent_mark:
+            raw.abort()  # not one byte taken in send_s
+        else:
+            self._watch_send()  # progress (or none left): a new mark
 
     def data_received(self, data: bytes) -> None:
         before = self.cycle
@@ -128,10 +179,6 @@ class _Deadlines:
             self._body_timer.cancel()
             self._body_timer = None
 
-    def connection_lost(self, exc) -> None:
-        self._cancel()
-        super().connection_lost(exc)
-
     def _refuse(self, answer: bytes, its_body: bool = False) -> None:
         # answered unless a response is under way, or (for a body) already sent
         c = self.cycle
@@ -155,6 +202,14 @@ class _Deadlines:
             self._body_timer.cancel()
             self._body_timer = None
 
+    def connection_lost(self, exc) -> None:
+        self._lost = True
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+        self._cancel()
+        super().connection_lost(exc)
+
     def _head_expired(self) -> None:
         self._head_timer = None
         if self.transport.is_closing() or self.cycle is not self._head_cycle:
@@ -175,11 +230,11 @@ class _Deadlines:
 
 
 def deadlines(base: type, header_s: float, body_s: float, max_head: int = MAX_HEAD_BYTES,
-              max_body: int = 8 << 20) -> type:
+              max_body: int = 8 << 20, send_s: float = SEND_TIMEOUT_S) -> type:
     """uvicorn's HTTP protocol class `base` with `_Deadlines` (`max_body`: the app's own body
     bound; a body's bytes on the wire may be twice it plus `max_head`)."""
     return type(f"Deadline{base.__name__}", (_Deadlines, base),
-                {"header_s": header_s, "body_s": body_s, "max_head": max_head,
+                {"header_s": header_s, "body_s": body_s, "send_s": send_s, "max_head": max_head,
                  "max_wire_body": 2 * max_body + max_head})
 
 
@@ -188,7 +243,8 @@ class HTTPServer:
 
     def __init__(self, app, host: str, port: int, keep_alive_s: float = 90.0,
                  header_timeout_s: float = HEADER_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S,
-                 protocol: type | None = None, max_body_bytes: int = 8 << 20) -> None:
+                 protocol: type | None = None, max_body_bytes: int = 8 << 20,
+                 send_timeout_s: float = SEND_TIMEOUT_S) -> None:
         """`protocol`: uvicorn's HTTP protocol class to put the deadlines on (default: httptools'
         where it is installed, else h11's, as uvicorn picks)."""
         import uvicorn
@@ -200,7 +256,7 @@ class HTTPServer:
         config = uvicorn.Config(app, lifespan="off", access_log=False, log_level=None, log_config=None,
                                 timeout_keep_alive=keep_alive_s,
                                 http=deadlines(protocol or AutoHTTPProtocol, header_timeout_s, body_timeout_s,
-                                               max_body=max_body_bytes),
+                                               max_body=max_body_bytes, send_s=send_timeout_s),
                                 # h11's own bound above ours plus a read (<= 256 KiB), so ours answers first
                                 h11_max_incomplete_event_size=MAX_HEAD_BYTES + (512 << 10))
         self.server = uvicorn.Server(config)

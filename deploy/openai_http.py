@@ -2,8 +2,9 @@
 /health, /metrics. Server-sent events end with `data: [DONE]`; errors use OpenAI's
 JSON shape: {"error": {"message", "type", "param", "code"}}.
 
-    400 bad input, a field Folio does not implement (param names it), or a prompt plus
-        max_tokens past max_model_len (code context_length_exceeded; never clamped)
+    400 bad input, a field Folio does not implement (param names it), or max_tokens above
+        max_model_len (a prompt plus max_tokens past it gets max_tokens cut to what fits, and
+        finish_reason "length" there, as vLLM 0.32 answers: frontend.fit_context)
     401 missing/wrong API key · 404 an unknown model (code model_not_found) · 413 body too large
     429 admission queue full (Retry-After) · 503 no live worker (or the worker serving it
     died after streaming tokens) · 500 anything unexpected, still in this shape
@@ -30,7 +31,7 @@ from __future__ import annotations
 import asyncio
 
 from folio.deploy.auth import bearer_ok
-from folio.deploy.frontend import Frontend
+from folio.deploy.frontend import Frontend, fit_context
 from folio.deploy.openai_errors import HTTPError
 from folio.deploy.openai_response import respond
 from folio.deploy.openai_run import Run
@@ -71,18 +72,6 @@ async def completion_prompts(frontend: Frontend, req: CompletionRequest) -> list
                          else await frontend.prompts.text_ids(p, special)) for p in req.prompts()]
 
 
-def check_context(frontend: Frontend, prompts: list[list[int]], max_tokens: int, chat: bool, param: str) -> None:
-    """A prompt plus max_tokens past max_model_len is a 400, as vLLM's (never a silent clamp)."""
-    limit = frontend.cfg.max_model_len
-    longest = max(len(p) for p in prompts)
-    if longest < limit < longest + max_tokens:  # (a prompt alone too long: frontend.check says so)
-        where = "in the messages" if chat else "in the prompt"
-        raise HTTPError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
-                             f"{longest + max_tokens} tokens ({longest} {where}, {max_tokens} in the completion). "
-                             f"Please reduce the length of the {'messages' if chat else 'prompt'} or completion.",
-                        "invalid_request_error", "context_length_exceeded", param=param)
-
-
 def _too_many_prompts(frontend: Frontend, body) -> None:
     """Before anything runs per prompt (checks, parsing, tokenizing): a list of more prompts
     than the frontend can ever admit, or token ids that cannot fit, is refused at once (a
@@ -120,8 +109,7 @@ async def completions(frontend: Frontend, body: dict):
         default = min([await frontend.default_max_tokens(len(p), n) for p in prompts])
     else:  # absent: 16, or what fits if less
         default = max(1, min([16] + [frontend.cfg.max_model_len - len(p) for p in prompts]))
-    params = req.sampling_params(default)
-    check_context(frontend, prompts, params.max_tokens, False, "max_tokens")
+    params = fit_context(frontend.cfg.max_model_len, prompts, req.sampling_params(default))
     echo = None
     if req.echo:  # the prompt as given; token ids (or a truncated prompt) decoded
         echo = [p if isinstance(p, str) and req.truncate_prompt_tokens is None
@@ -139,9 +127,9 @@ async def chat_completions(frontend: Frontend, body: dict):
                                   'with tool_choice "none"', param="tools")
     ids = req.truncate(await frontend.prompts.chat_ids(req.template_messages(), req.add_generation_prompt is not False,
                                                        req.template_kwargs()))
-    params = req.sampling_params(await frontend.default_max_tokens(len(ids), n))
-    check_context(frontend, [ids], params.max_tokens, True,
-                  "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+    params = fit_context(frontend.cfg.max_model_len, [ids],
+                         req.sampling_params(await frontend.default_max_tokens(len(ids), n)),
+                         "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     return await _start(frontend, req, [ids], params, True, model, None)
 
 

@@ -332,7 +332,7 @@ def test_grpc_abort_cancel_and_deadline_free_the_blocks(server, stub):
     (req(ids=[]), "empty"),
     (pb.GenerateRequest(), "no prompt"),
     (req(ids=list(range(300))), "max_model_len"),
-    (req(ids=list(range(20, 220)), max_tokens=100), "maximum context length is 256"),
+    (req(ids=list(range(20, 220)), max_tokens=257), "max_tokens=257 cannot be greater than max_model_len=256"),
     (req("hi", max_tokens=0), "max_tokens"),
     (req("hi", temperature=-0.5), "temperature"),
     (req("hi", top_p=1.5), "top_p"),
@@ -343,6 +343,13 @@ def test_grpc_bad_input_is_invalid_argument(server, stub, request_, fragment):
     with pytest.raises(grpc.RpcError) as e:
         stub.Generate(request_, metadata=AUTH)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and fragment in e.value.details()
+
+
+def test_grpc_max_tokens_past_the_context_is_cut_to_what_fits(server, stub):
+    """As over HTTP (vLLM 0.32's answer): the completion ends where the context is full."""
+    r = stub.Generate(req(ids=list(range(20, 220)), max_tokens=100, min_tokens=80, ignore_eos=True), metadata=AUTH)
+    assert len(r.completions[0].token_ids) == 56 and r.completions[0].finish_reason == "length"
+    wait_idle(server)
 
 
 def test_grpc_health_reflection_and_auth(server, stub):

@@ -1,5 +1,5 @@
-"""Slow HTTP clients cannot hold a replica's connections, nor a large head its event loop
-(deploy/http_server.py: deadlines).
+"""Slow HTTP clients cannot hold a replica's connections, nor a large head its event loop, nor
+a client that stops reading its response (deploy/http_server.py: deadlines).
 
 The replica's own uvicorn server, on a real socket, with a small ASGI app and timeouts of
 0.5 s; clients are raw sockets that stall where a hostile one would."""
@@ -22,6 +22,7 @@ MAX_BODY = 1 << 20  # the app's body bound, as `folio serve --max-body-bytes` pa
 class Server:
     def __init__(self, protocol: type) -> None:
         self.disconnects = 0
+        self.sent_for = 0.0  # how long the last /big response took the app to send
         self.loop = asyncio.new_event_loop()
         ready = threading.Event()
 
@@ -29,7 +30,7 @@ class Server:
             await self.app(scope, receive, send)
 
         async def start():
-            self.http = HTTPServer(app, "127.0.0.1", 0, header_timeout_s=T, body_timeout_s=T,
+            self.http = HTTPServer(app, "127.0.0.1", 0, header_timeout_s=T, body_timeout_s=T, send_timeout_s=T,
                                    protocol=protocol, max_body_bytes=MAX_BODY).start()
             self.port = self.http.sock.getsockname()[1]
             ready.set()
@@ -51,14 +52,40 @@ class Server:
             body += m.get("body", b"")
             if not m.get("more_body"):
                 break
+        if scope["path"].startswith("/big/"):  # /big/N: N x 64 KiB streamed, until the client goes
+            return await self.big(int(scope["path"][5:]), receive, send)
+        if scope["path"].startswith("/blob/"):  # /blob/N: N x 64 KiB in one body, then done
+            body = b"y" * (int(scope["path"][6:]) << 16)
         if scope["path"] == "/slow":
             await asyncio.sleep(3 * T)  # longer than both timeouts: serving is not timed
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
 
-    def connect(self) -> socket.socket:
-        return socket.create_connection(("127.0.0.1", self.port), timeout=10)
+    async def big(self, n: int, receive, send) -> None:
+        gone = asyncio.ensure_future(receive())  # http.disconnect once the connection is lost
+        t0 = time.monotonic()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for _ in range(n):
+            await send({"type": "http.response.body", "body": b"x" * 65536, "more_body": True})
+            await asyncio.sleep(0)
+            if gone.done():
+                self.disconnects += 1
+                return
+        await send({"type": "http.response.body", "body": b""})
+        self.sent_for = time.monotonic() - t0
+        gone.cancel()
+
+    def connect(self, rcvbuf: int | None = None) -> socket.socket:
+        s = socket.socket()
+        if rcvbuf:  # a small window: the server's bytes wait in its buffers sooner
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        s.settimeout(10)
+        s.connect(("127.0.0.1", self.port))
+        return s
+
+    def connections(self) -> int:
+        return len(self.http.server.server_state.connections)
 
     def stop(self) -> None:
         asyncio.run_coroutine_threadsafe(self.http.stop(), self.loop).result(20)
@@ -169,6 +196,67 @@ def test_many_stalled_connections_go_and_the_server_still_answers(server):
         read_all(s)  # closed by the server (a timeout here raises)
         s.close()
     assert time.monotonic() - t0 < T + 5
+
+
+def get(path: str) -> bytes:
+    return f"GET {path} HTTP/1.1\r\nhost: x\r\n\r\n".encode()
+
+
+def wait_for(cond, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return cond()
+
+
+def test_a_stream_the_client_stops_reading_is_reset_and_its_handler_sees_a_disconnect(server):
+    before = server.disconnects
+    with server.connect(rcvbuf=4096) as s:
+        s.sendall(get("/big/512"))  # 32 MiB: far past every buffer on the way
+        t0 = time.monotonic()
+        assert wait_for(lambda: server.disconnects > before), "the handler never saw the client go"
+        assert time.monotonic() - t0 < T + 5
+        assert wait_for(lambda: server.connections() == 0)
+        got = 0
+        try:  # what had been buffered, then the end (a timeout here raises): never the whole stream
+            while chunk := s.recv(1 << 20):
+                got += len(chunk)
+        except ConnectionResetError:
+            pass
+        assert got < 512 << 16
+    with server.connect() as s:  # and the server answers the next client
+        s.sendall(request())
+        assert_answered(s)
+
+
+@pytest.mark.parametrize("chunks", [160, 512])
+def test_a_response_done_but_left_unread_does_not_hold_its_connection(server, chunks):
+    """The app has finished (10 or 32 MiB in one body, more than the kernel's socket buffers
+    take); the bytes the client never takes wait in the server's, and the connection is reset
+    T after the last byte left. (A response the kernel takes whole leaves an idle keep-alive
+    connection, closed by uvicorn's keep-alive timeout.)"""
+    with server.connect(rcvbuf=4096) as s:
+        s.sendall(request(f"/blob/{chunks}"))
+        time.sleep(0.2)
+        assert server.connections() == 1
+        assert wait_for(lambda: server.connections() == 0, T + 5)
+
+
+def test_a_slow_reader_that_keeps_reading_is_never_cut(server):
+    """512 KiB every T/5: the server waits on this client longer than T in all, but bytes leave
+    within every T."""
+    with server.connect(rcvbuf=4096) as s:
+        s.sendall(get("/big/192"))  # 12 MiB: more than the kernel's buffers take
+        got = bytearray()
+        while not got.endswith(b"0\r\n\r\n"):
+            mark = len(got)
+            while len(got) - mark < 512 << 10 and not got.endswith(b"0\r\n\r\n"):
+                chunk = s.recv(1 << 16)
+                assert chunk, f"cut after {len(got)} bytes"
+                got += chunk
+            time.sleep(T / 5)
+        assert got.startswith(b"HTTP/1.1 200")
+    assert server.sent_for > 2 * T  # it did wait on the client, two send timeouts' worth
 
 
 def head_with(header_bytes: int, n: int = 1) -> bytes:

@@ -300,18 +300,28 @@ def test_aliases_are_served_and_named_in_the_response(folio_server, client):
 
 
 # ---- max_tokens past the context ------------------------------------------------------------
-def test_max_tokens_past_the_context_is_400(folio_server):
+def test_max_tokens_past_the_context_is_cut_to_what_fits(folio_server):
+    """vLLM 0.32's answer: max_tokens cut per prompt to max_model_len minus the prompt (finish
+    "length" there); max_tokens above max_model_len itself is a 400."""
     prompt = list(range(10, 210))  # 200 tokens of 256
-    err = refused(folio_server, "/v1/completions", {"prompt": prompt, "max_tokens": 57}, "max_tokens")
-    assert err["code"] == "context_length_exceeded"
-    assert err["message"].startswith(f"This model's maximum context length is {MAX_MODEL_LEN} tokens. "
-                                     "However, you requested 257 tokens (200 in the prompt, 57 in the completion)")
-    ok = post(folio_server, "/v1/completions", {"prompt": prompt, "max_tokens": 56, "ignore_eos": True})[1]
-    assert ok["usage"]["completion_tokens"] == 56  # exactly what fits: served whole
+    for max_tokens, min_tokens in ((57, 0), (256, 200)):  # min_tokens is cut with it
+        got = post(folio_server, "/v1/completions", {"prompt": prompt, "max_tokens": max_tokens,
+                                                      "min_tokens": min_tokens, "ignore_eos": True})[1]
+        assert got["usage"] == {"prompt_tokens": 200, "completion_tokens": 56, "total_tokens": 256}, got
+        assert got["choices"][0]["finish_reason"] == "length"
+    # two prompts: each gets what fits after its own (vLLM: 56 + 100)
+    got = post(folio_server, "/v1/completions", {"prompt": [prompt, prompt[:20]], "max_tokens": 100,
+                                                  "ignore_eos": True, "min_tokens": 90})[1]
+    assert got["usage"]["completion_tokens"] == 156 and [c["finish_reason"] for c in got["choices"]] == ["length"] * 2
+    err = refused(folio_server, "/v1/completions", {"prompt": prompt, "max_tokens": 257}, "max_tokens",
+                  fragment="max_tokens=257 cannot be greater than max_model_len=256")
+    assert err["type"] == "invalid_request_error"
     long_chat = [{"role": "user", "content": "x " * 200}]
-    err = refused(folio_server, "/v1/chat/completions", {"messages": long_chat, "max_completion_tokens": 10**5},
-                  "max_completion_tokens")
-    assert "in the messages" in err["message"]
+    refused(folio_server, "/v1/chat/completions", {"messages": long_chat, "max_completion_tokens": 10**5},
+            "max_completion_tokens", fragment="cannot be greater than max_model_len")
+    got = post(folio_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 100}],
+                                                       "max_tokens": 256, "ignore_eos": True})[1]
+    assert got["usage"]["total_tokens"] == 256 and got["choices"][0]["finish_reason"] == "length", got
 
 
 def test_completions_without_max_tokens_get_16_or_what_fits(folio_server):
