@@ -8,9 +8,19 @@ client's deadline: the request is aborted when it passes), CANCELLED (aborted), 
 (API key set and `authorization: Bearer <key>` missing from the metadata; the scheme is
 case-insensitive; health and reflection are open). A client that cancels or disconnects aborts
 its request: the handler's stream is closed, which aborts it on the worker within one engine step.
+
+A client that stops reading a stream: once HTTP/2 flow control is full (the client's window,
+~4 MiB here), each message waits for the client to take bytes, and the call held its handler,
+its admission slot and its buffered text for good (a request that had ended too). As over HTTP
+(http_server.py's SEND_TIMEOUT_S, nginx's send_timeout): a message that waits SEND_TIMEOUT_S for
+the client ends the call with DEADLINE_EXCEEDED, and the request is aborted. A slow reader that
+keeps taking messages is never cut.
 """
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -21,6 +31,7 @@ from folio.deploy.grpc_reflection_v1 import enable_reflection
 from folio.deploy.grpc_servicer import GenerationServicer
 from folio.v1 import generate_pb2 as pb
 
+SEND_TIMEOUT_S = 60.0
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")  # reachable without the API key
 
@@ -69,13 +80,49 @@ def _lenient(parse):
     return deserialize
 
 
-def _guarded(fn, streaming: bool):
+class _SendWatch:
+    """Cancels the handler's task once one message has waited `limit_s` to be sent (one timer
+    a call, re-armed, rather than a timeout task a message)."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.loop, self.task, self.limit_s = asyncio.get_running_loop(), asyncio.current_task(), limit_s
+        self.since: float | None = None  # when the message now being sent began to wait
+        self.expired = False
+        self.timer = self.loop.call_later(limit_s, self._check)
+
+    def _check(self) -> None:
+        now = self.loop.time()
+        if self.since is not None and now - self.since >= self.limit_s:
+            self.expired = True
+            self.task.cancel()
+        else:
+            self.timer = self.loop.call_later(self.limit_s if self.since is None else self.since + self.limit_s - now,
+                                              self._check)
+
+    async def write(self, context, item) -> None:
+        self.since = self.loop.time()
+        await context.write(item)
+        self.since = None
+
+
+def _guarded(fn, streaming: bool, send_timeout_s: float = SEND_TIMEOUT_S):
     if streaming:
-        async def handler(request, context):
+        async def handler(request, context):  # writes its messages (not a generator): they are timed
             if isinstance(request, _Undecodable):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
-            async for item in fn(request, context):
-                yield item
+            watch = _SendWatch(send_timeout_s)
+            try:
+                async with contextlib.aclosing(fn(request, context)) as items:  # closed: the request aborted
+                    async for item in items:
+                        await watch.write(context, item)
+            except asyncio.CancelledError:
+                if not watch.expired:
+                    raise
+                asyncio.current_task().uncancel()
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"the client took none of the stream's "
+                                                                       f"messages for {send_timeout_s:g} s")
+            finally:
+                watch.timer.cancel()
     else:
         async def handler(request, context):
             if isinstance(request, _Undecodable):
@@ -84,9 +131,9 @@ def _guarded(fn, streaming: bool):
     return handler
 
 
-def add_generation_servicer(servicer: GenerationServicer, server) -> None:
+def add_generation_servicer(servicer: GenerationServicer, server, send_timeout_s: float = SEND_TIMEOUT_S) -> None:
     """pb_grpc.add_GenerationServicer_to_server, but a body that does not parse is
-    INVALID_ARGUMENT with its reason."""
+    INVALID_ARGUMENT with its reason, and a stream's messages are timed (SEND_TIMEOUT_S)."""
     methods = {  # name: (streaming, request type, response type)
         "Generate": (False, pb.GenerateRequest, pb.GenerateResponse),
         "GenerateStream": (True, pb.GenerateRequest, pb.GenerateStreamResponse),
@@ -96,7 +143,7 @@ def add_generation_servicer(servicer: GenerationServicer, server) -> None:
     handlers = {}
     for name, (streaming, req, resp) in methods.items():
         make = grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
-        handlers[name] = make(_guarded(getattr(servicer, name), streaming),
+        handlers[name] = make(_guarded(getattr(servicer, name), streaming, send_timeout_s),
                               request_deserializer=_lenient(req.FromString),
                               response_serializer=resp.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
