@@ -142,11 +142,13 @@ class FolioCluster:
         self.groups: dict[str, object] = {}  # worker id -> the placement group of its ranks (TP > 1)
 
     # ---- start ------------------------------------------------------------------------
-    def start(self) -> "FolioCluster":
+    def start(self, on_ray_up=None) -> "FolioCluster":
+        """`on_ray_up`: called once Ray is up (ray.init installs its own signal handlers)."""
         import ray
 
         cfg = self.config
         if not ray.is_initialized():
+            self._started_ray = True  # before: a stop inside ray.init still shuts down what it started
             if cfg.address:
                 ray.init(address=cfg.address, namespace=cfg.namespace, log_to_driver=False)
             else:
@@ -155,7 +157,8 @@ class FolioCluster:
                          namespace=cfg.namespace,
                          include_dashboard=False, log_to_driver=False, _temp_dir=self._ray_temp_dir,
                          **bind_ray_to(cfg.host))
-            self._started_ray = True
+        if on_ray_up is not None:
+            on_ray_up()
         if self.redis_url is None:
             self.redis = EmbeddedRedis().start(supervise=True)  # restarted if it dies
             self.redis_url = self.redis.url

@@ -9,6 +9,7 @@ rest and releases everything (workers leave the Redis registry at once).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -69,6 +70,50 @@ def cluster_config(args):
                          torch_threads=args.torch_threads)
 
 
+class Stopped(BaseException):
+    """A SIGINT or SIGTERM while the cluster starts: raised where the main thread is, so the
+    start unwinds and releases what did start (Ray's own handler, which ray.init installs for
+    SIGTERM, ended the process at once and left the embedded Redis running)."""
+
+
+def _stop_now(signum, frame) -> None:
+    raise Stopped(signum)
+
+
+def _adopt_orphans() -> None:
+    """Make this process the child subreaper of everything it starts (Linux): a process of its
+    Ray node whose parent dies first (Ray's dashboard and runtime-env agents, when a stop
+    interrupts ray.init, outlived the raylet that started them, for good) becomes its child,
+    so `_end_children` can end it."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def _end_children(timeout_s: float = 5.0) -> None:
+    """Whatever this process (and what it started) left running once the cluster is shut down:
+    SIGTERM, then SIGKILL after `timeout_s`; reaped either way."""
+    import psutil
+
+    left = psutil.Process().children(recursive=True)
+    for p in left:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(left, timeout=timeout_s)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=timeout_s)
+
+
+def _on_signals(handler) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+
+
 def main(args) -> int:
     from folio.cluster.launcher import FolioCluster
     from folio.worker.errors import FolioError
@@ -79,21 +124,23 @@ def main(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     t0 = time.monotonic()
+    stage = "the cluster did not start"
+    _adopt_orphans()
     try:
-        cluster.start()
-    except FolioError as e:
-        print(f"error: {e}", file=sys.stderr)
-        cluster.shutdown(grace_s=0)  # whatever did start
-        return 2
-    try:
+        _on_signals(_stop_now)
+        cluster.start(on_ray_up=lambda: _on_signals(_stop_now))  # again: after ray.init's own
+        stage = "the frontends did not start"
         frontends = start_frontends(args, cluster)
-    except Exception as e:
-        print(f"error: the frontends did not start: {e}", file=sys.stderr)
-        cluster.shutdown(grace_s=0)
-        return 2
+    except (Exception, Stopped, SystemExit) as e:  # SystemExit: Ray's handler, while ray.init runs
+        _on_signals(signal.SIG_IGN)  # a second Ctrl-C does not cut the clean-up short
+        stopped = isinstance(e, (Stopped, SystemExit))
+        print("folio serve: stopped while starting" if stopped else
+              f"error: {e}" if isinstance(e, FolioError) else f"error: {stage}: {e}", file=sys.stderr, flush=True)
+        cluster.shutdown(grace_s=0)  # whatever did start
+        _end_children()
+        return 0 if stopped else 2
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own handlers
-        signal.signal(sig, lambda *_: stop.set())
+    _on_signals(lambda *_: stop.set())
     print(f"folio serve: ready in {time.monotonic() - t0:.1f} s: {args.num_workers} workers, router "
           f"{args.router}, redis {redis_description(cluster)}" + frontends, flush=True)
     try:
@@ -109,6 +156,7 @@ def main(args) -> int:
 
             ray_serve.shutdown()
         cluster.shutdown(grace_s=0)
+        _end_children()
         print("folio serve: stopped", flush=True)
     return 0
 

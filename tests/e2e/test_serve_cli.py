@@ -1,5 +1,6 @@
 """`folio serve` as a user runs it: a subprocess, real Ray, a real Redis, SIGTERM to stop."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -59,3 +60,56 @@ def test_serve_rejects_bad_arguments_clearly(model_dirs, args, message):
 def test_serve_rejects_a_missing_model():
     r = subprocess.run(folio("serve", "--model", "/nonexistent/model"), capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+def group_left(pgid: int) -> list[str]:
+    """Processes still in the process group `pgid` (what `folio serve` started)."""
+    out = subprocess.run(["ps", "-eo", "pgid=,stat=,args="], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if line.split()[0] == str(pgid) and not line.split()[1].startswith("Z")]
+
+
+def http_up(port: int) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
+            return True
+    except Exception:
+        return False
+
+
+@pytest.mark.parametrize("when", ["3s", "8s", "http-up"])
+def test_a_stop_while_starting_leaves_no_process_behind(model_dirs, when):
+    """SIGTERM to `folio serve` alone (as `kill PID` sends it) while Ray, the embedded Redis, the
+    workers or the frontends are starting: it stops, and nothing it started keeps running (Ray's
+    own SIGTERM handler used to end the process at once and leave the embedded Redis up)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    proc = subprocess.Popen(folio("serve", "--model", model_dirs["llama"], "--num-workers", "1", "--block-size", "8",
+                                  "--num-kv-blocks", "32", "--grace-period-s", "1", "--http-port", str(port),
+                                  "--grpc-port", "0", "--host", "127.0.0.1", "--namespace", f"stop{when}"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while proc.poll() is None and time.monotonic() - t0 < 120:
+            if when == "http-up" and http_up(port) or when.endswith("s") and time.monotonic() - t0 > float(when[:-1]):
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()[0]
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "stopped" in out, out
+        deadline = time.monotonic() + 20
+        while group_left(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not group_left(proc.pid), (group_left(proc.pid), out)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        with contextlib.suppress(ProcessLookupError):  # only this test's group (never procps' `kill -9 -PGID`:
+            os.killpg(proc.pid, signal.SIGKILL)         # procps-ng 4.0.2 sends that to pid -1, every process)
