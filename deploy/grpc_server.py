@@ -12,7 +12,7 @@ its request: the handler's stream is closed, which aborts it on the worker withi
 A client that stops reading a stream: once HTTP/2 flow control is full (the client's window,
 ~4 MiB here), each message waits for the client to take bytes, and the call held its handler,
 its admission slot and its buffered text for good (a request that had ended too). As over HTTP
-(http_server.py's SEND_TIMEOUT_S, nginx's send_timeout): a message that waits SEND_TIMEOUT_S for
+(http_deadlines.py's SEND_TIMEOUT_S, nginx's send_timeout): a message that waits SEND_TIMEOUT_S for
 the client ends the call with DEADLINE_EXCEEDED, and the request is aborted. A slow reader that
 keeps taking messages is never cut.
 """

@@ -1,5 +1,5 @@
 """Slow HTTP clients cannot hold a replica's connections, nor a large head its event loop, nor
-a client that stops reading its response (deploy/http_server.py: deadlines).
+a client that stops reading its response (deploy/http_deadlines.py).
 
 The replica's own uvicorn server, on a real socket, with a small ASGI app and timeouts of
 0.5 s; clients are raw sockets that stall where a hostile one would."""
@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from folio.deploy.http_server import MAX_HEAD_BYTES, HTTPServer
+from folio.deploy.http_deadlines import MAX_HEAD_BYTES
+from folio.deploy.http_server import HTTPServer
 
 T = 0.5  # both timeouts, in these tests
 MAX_BODY = 1 << 20  # the app's body bound, as `folio serve --max-body-bytes` passes it
@@ -215,15 +216,11 @@ def test_a_stream_the_client_stops_reading_is_reset_and_its_handler_sees_a_disco
         s.sendall(get("/big/512"))  # 32 MiB: far past every buffer on the way
         t0 = time.monotonic()
         assert wait_for(lambda: server.disconnects > before), "the handler never saw the client go"
-        assert time.monotonic() - t0 < T + 5
+        assert time.monotonic() - t0 < 1.5 * T + 1  # no byte taken for T: checked every T/4
         assert wait_for(lambda: server.connections() == 0)
-        got = 0
-        try:  # what had been buffered, then the end (a timeout here raises): never the whole stream
-            while chunk := s.recv(1 << 20):
-                got += len(chunk)
-        except ConnectionResetError:
-            pass
-        assert got < 512 << 16
+        with pytest.raises(ConnectionResetError):  # a TCP reset, not a close the kernel would hold
+            while s.recv(1 << 20):
+                pass
     with server.connect() as s:  # and the server answers the next client
         s.sendall(request())
         assert_answered(s)
@@ -239,7 +236,10 @@ def test_a_response_done_but_left_unread_does_not_hold_its_connection(server, ch
         s.sendall(request(f"/blob/{chunks}"))
         time.sleep(0.2)
         assert server.connections() == 1
-        assert wait_for(lambda: server.connections() == 0, T + 5)
+        assert wait_for(lambda: server.connections() == 0, 1.5 * T + 1)
+        with pytest.raises(ConnectionResetError):
+            while s.recv(1 << 20):
+                pass
 
 
 def test_a_slow_reader_that_keeps_reading_is_never_cut(server):
