@@ -99,10 +99,6 @@ class _SendWatch:
             self.timer = self.loop.call_later(self.limit_s if self.since is None else self.since + self.limit_s - now,
                                               self._check)
 
-    async def write(self, context, item) -> None:
-        self.since = self.loop.time()
-        await context.write(item)
-        self.since = None
 
 
 def _guarded(fn, streaming: bool, send_timeout_s: float = SEND_TIMEOUT_S):
@@ -112,9 +108,12 @@ def _guarded(fn, streaming: bool, send_timeout_s: float = SEND_TIMEOUT_S):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
             watch = _SendWatch(send_timeout_s)
             try:
+                clock = watch.loop.time
                 async with contextlib.aclosing(fn(request, context)) as items:  # closed: the request aborted
                     async for item in items:
-                        await watch.write(context, item)
+                        watch.since = clock()  # (inline: a coroutine a message cost ~3 % of its CPU)
+                        await context.write(item)
+                        watch.since = None
             except asyncio.CancelledError:
                 if not watch.expired:
                     raise
