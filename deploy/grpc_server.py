@@ -9,8 +9,8 @@ client's deadline: the request is aborted when it passes), CANCELLED (aborted), 
 case-insensitive; health and reflection are open). A client that cancels or disconnects aborts
 its request: the handler's stream is closed, which aborts it on the worker within one engine step.
 
-A client that stops reading a stream: once HTTP/2 flow control is full (the client's window,
-~4 MiB here), each message waits for the client to take bytes, and the call held its handler,
+A client that stops reading a stream: once HTTP/2 flow control is full (the client's window:
+grpcio's grows to a few MiB, a client can keep it small), each message waits for the client to take bytes, and the call held its handler,
 its admission slot and its buffered text for good (a request that had ended too). As over HTTP
 (http_deadlines.py's SEND_TIMEOUT_S, nginx's send_timeout): a message that waits SEND_TIMEOUT_S for
 the client ends the call with DEADLINE_EXCEEDED, and the request is aborted. A slow reader that
@@ -98,7 +98,6 @@ class _SendWatch:
         else:
             self.timer = self.loop.call_later(self.limit_s if self.since is None else self.since + self.limit_s - now,
                                               self._check)
-
 
 
 def _guarded(fn, streaming: bool, send_timeout_s: float = SEND_TIMEOUT_S):
