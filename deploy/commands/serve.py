@@ -151,10 +151,12 @@ def main(args) -> int:
         if cluster.redis is not None:  # a signal to the whole group killed it too: leave it dead
             cluster.redis.stop_supervising()
         cluster.drain(args.grace_period_s)  # in-flight requests finish through the frontends
-        if frontends:
+        if frontends and args.address:  # another cluster's Serve: remove this one's applications from it
             from ray import serve as ray_serve
 
             ray_serve.shutdown()
+        # (a Ray started here goes whole with cluster.shutdown: Serve's graceful shutdown waited 30 s
+        # for a controller that a SIGTERM to the whole process group, as systemd sends it, had killed)
         cluster.shutdown(grace_s=0)
         _end_children()
         print("folio serve: stopped", flush=True)

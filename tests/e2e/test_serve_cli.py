@@ -113,3 +113,40 @@ def test_a_stop_while_starting_leaves_no_process_behind(model_dirs, when):
             proc.kill()
         with contextlib.suppress(ProcessLookupError):  # only this test's group (never procps' `kill -9 -PGID`:
             os.killpg(proc.pid, signal.SIGKILL)         # procps-ng 4.0.2 sends that to pid -1, every process)
+
+
+def test_a_sigterm_to_the_whole_process_group_stops_it_promptly(model_dirs):
+    """As systemd stops a service (SIGTERM to every process of it): Ray's own processes, Serve's
+    controller among them, get it too. `folio serve` waited 30 s for that dead controller's
+    graceful shutdown (38 s in all); a Ray started here now goes whole with the cluster."""
+    import socket
+
+    with socket.socket() as s:  # a port: the frontends (and Serve) run only with one
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    proc = subprocess.Popen(folio("serve", "--model", model_dirs["llama"], "--num-workers", "1", "--block-size", "8",
+                                  "--num-kv-blocks", "32", "--grace-period-s", "1", "--http-port", str(port),
+                                  "--grpc-port", "0", "--host", "127.0.0.1", "--namespace", "stopgroup"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        lines = []
+        deadline = time.monotonic() + 180
+        while not any("ready in" in line for line in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            lines.append(proc.stdout.readline())
+        os.killpg(proc.pid, signal.SIGTERM)
+        t0 = time.monotonic()
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "stopped" in out, out
+        assert time.monotonic() - t0 < 25, out  # 38 s before (Serve's 30 s controller timeout)
+        deadline = time.monotonic() + 20
+        while group_left(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not group_left(proc.pid), (group_left(proc.pid), out)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
