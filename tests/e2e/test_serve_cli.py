@@ -78,23 +78,45 @@ def http_up(port: int) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def serve_in_its_own_group(model_dir: str, namespace: str):
+    """`folio serve` (one worker, the HTTP API on a free port) in a process group of its own:
+    yields (proc, port); afterwards the group is killed whatever happened (never procps'
+    `kill -9 -PGID`: procps-ng 4.0.2 sends that to pid -1, every process)."""
+    import socket
+
+    with socket.socket() as s:  # a port: the frontends (and Serve) run only with one
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    proc = subprocess.Popen(folio("serve", "--model", model_dir, "--num-workers", "1", "--block-size", "8",
+                                  "--num-kv-blocks", "32", "--grace-period-s", "1", "--http-port", str(port),
+                                  "--grpc-port", "0", "--host", "127.0.0.1", "--namespace", namespace),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        yield proc, port
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def assert_stopped_leaving_nothing(proc, out: str) -> None:
+    assert proc.returncode == 0 and "stopped" in out, out
+    deadline = time.monotonic() + 20
+    while group_left(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not group_left(proc.pid), (group_left(proc.pid), out)
+
+
 @pytest.mark.parametrize("when", ["3s", "8s", "http-up"])
 def test_a_stop_while_starting_leaves_no_process_behind(model_dirs, when):
     """SIGTERM to `folio serve` alone (as `kill PID` sends it) while Ray, the embedded Redis, the
     workers or the frontends are starting: it stops, and nothing it started keeps running (Ray's
     own SIGTERM handler used to end the process at once and leave the embedded Redis up)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    proc = subprocess.Popen(folio("serve", "--model", model_dirs["llama"], "--num-workers", "1", "--block-size", "8",
-                                  "--num-kv-blocks", "32", "--grace-period-s", "1", "--http-port", str(port),
-                                  "--grpc-port", "0", "--host", "127.0.0.1", "--namespace", f"stop{when}"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
+    with serve_in_its_own_group(model_dirs["llama"], f"stop{when}") as (proc, port):
         t0 = time.monotonic()
         while proc.poll() is None and time.monotonic() - t0 < 120:
             if when == "http-up" and http_up(port) or when.endswith("s") and time.monotonic() - t0 > float(when[:-1]):
@@ -103,34 +125,14 @@ def test_a_stop_while_starting_leaves_no_process_behind(model_dirs, when):
         assert proc.poll() is None, proc.communicate()[0]
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 0 and "stopped" in out, out
-        deadline = time.monotonic() + 20
-        while group_left(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not group_left(proc.pid), (group_left(proc.pid), out)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        with contextlib.suppress(ProcessLookupError):  # only this test's group (never procps' `kill -9 -PGID`:
-            os.killpg(proc.pid, signal.SIGKILL)         # procps-ng 4.0.2 sends that to pid -1, every process)
+        assert_stopped_leaving_nothing(proc, out)
 
 
 def test_a_sigterm_to_the_whole_process_group_stops_it_promptly(model_dirs):
     """As systemd stops a service (SIGTERM to every process of it): Ray's own processes, Serve's
     controller among them, get it too. `folio serve` waited 30 s for that dead controller's
     graceful shutdown (38 s in all); a Ray started here now goes whole with the cluster."""
-    import socket
-
-    with socket.socket() as s:  # a port: the frontends (and Serve) run only with one
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    proc = subprocess.Popen(folio("serve", "--model", model_dirs["llama"], "--num-workers", "1", "--block-size", "8",
-                                  "--num-kv-blocks", "32", "--grace-period-s", "1", "--http-port", str(port),
-                                  "--grpc-port", "0", "--host", "127.0.0.1", "--namespace", "stopgroup"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
+    with serve_in_its_own_group(model_dirs["llama"], "stopgroup") as (proc, _):
         lines = []
         deadline = time.monotonic() + 180
         while not any("ready in" in line for line in lines):
@@ -139,14 +141,5 @@ def test_a_sigterm_to_the_whole_process_group_stops_it_promptly(model_dirs):
         os.killpg(proc.pid, signal.SIGTERM)
         t0 = time.monotonic()
         out, _ = proc.communicate(timeout=60)
-        assert proc.returncode == 0 and "stopped" in out, out
         assert time.monotonic() - t0 < 25, out  # 38 s before (Serve's 30 s controller timeout)
-        deadline = time.monotonic() + 20
-        while group_left(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not group_left(proc.pid), (group_left(proc.pid), out)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        assert_stopped_leaving_nothing(proc, out)
