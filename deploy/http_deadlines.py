@@ -186,6 +186,7 @@ class _Deadlines:
             self._head_timer = None
 
     def _cancel(self) -> None:
+        """The head and body timers; not the send watch, which must outlive a close while bytes wait."""
         self._cancel_head()
         if self._body_timer is not None:
             self._body_timer.cancel()
