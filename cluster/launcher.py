@@ -249,6 +249,8 @@ class FolioCluster:
         import ray
 
         drains = [h.drain.remote(grace_s) for h in self.workers.values()]
+        if not drains:  # no Ray call without an actor: ray.get([]) starts a Ray where a stop cut ray.init short
+            return
         try:  # a worker stuck in a step never answers: the grace period bounds the wait
             ray.get(drains, timeout=grace_s + DRAIN_MARGIN_S)
         except Exception:
@@ -274,7 +276,8 @@ class FolioCluster:
             pass
         stops = [h.shutdown.remote() for h in self.workers.values()]  # at once: 5 s in all, not each
         try:
-            ray.get(stops, timeout=5)
+            if stops:
+                ray.get(stops, timeout=5)
         except Exception:
             pass
         for wid, h in self.workers.items():

@@ -109,6 +109,24 @@ def _end_children(timeout_s: float = 5.0) -> None:
     psutil.wait_procs(alive, timeout=timeout_s)
 
 
+def _cancel_abort_alarm() -> None:
+    """A SIGTERM that arrives while ray.init connects this process to its node meets the failure
+    signal handler of Ray's core worker (absl's, "*** SIGTERM received ..."): it passes the signal
+    on, and also arms alarm(3) to abort the process, so the clean-up ended in SIGABRT 3 s later
+    (exit -6, the clean-up cut short). Folio uses no alarm of its own: cancel it."""
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, signal.SIG_IGN)
+
+
+def _exit_at_once(code: int) -> None:
+    """Exit without the interpreter's finalization, once everything started is released. A stop
+    that cut ray.init short leaves this process's half-made core worker (its C++ threads) behind:
+    the finalization then crashed (SIGSEGV) after a clean stop."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _on_signals(handler) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handler)
@@ -133,12 +151,15 @@ def main(args) -> int:
         frontends = start_frontends(args, cluster)
     except (Exception, Stopped, SystemExit) as e:  # SystemExit: Ray's handler, while ray.init runs
         _on_signals(signal.SIG_IGN)  # a second Ctrl-C does not cut the clean-up short
+        _cancel_abort_alarm()
         stopped = isinstance(e, (Stopped, SystemExit))
         print("folio serve: stopped while starting" if stopped else
               f"error: {e}" if isinstance(e, FolioError) else f"error: {stage}: {e}", file=sys.stderr, flush=True)
         cluster.shutdown(grace_s=0)  # whatever did start
         _end_children()
-        return 0 if stopped else 2
+        if stopped:
+            _exit_at_once(0)
+        return 2
     stop = threading.Event()
     _on_signals(lambda *_: stop.set())
     print(f"folio serve: ready in {time.monotonic() - t0:.1f} s: {args.num_workers} workers, router "

@@ -53,7 +53,7 @@ from folio.v1 import generate_pb2_grpc as pb_grpc  # noqa: E402
 from folio.worker import LLM, SamplingParams  # noqa: E402
 from folio.worker.messages import GenerateRequest  # noqa: E402
 
-from conftest import PROMPTS, redis_url_of, wait_for  # noqa: E402
+from conftest import PROMPTS, process_running, redis_url_of, wait_for  # noqa: E402
 
 BIN = os.path.dirname(sys.executable)
 ENV = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0",
@@ -116,7 +116,7 @@ def stop_trees(procs: list[subprocess.Popen], term_s: float = 5.0) -> None:
         for q in victims.values():
             with contextlib.suppress(psutil.NoSuchProcess):
                 q.send_signal(sig)
-        alive = [q for q in victims.values() if q.is_running() and q.status() != psutil.STATUS_ZOMBIE]
+        alive = [q for q in victims.values() if process_running(q)]
         _, alive = psutil.wait_procs(alive, timeout=term_s)
         if not alive:
             break

@@ -18,7 +18,7 @@ import psutil
 import redis
 
 from folio.worker import LLM, SamplingParams
-from conftest import PROMPTS, folio_serve, metric_series as series, redis_child, wait_for
+from conftest import PROMPTS, folio_serve, metric_series as series, process_running, redis_child, wait_for
 from folio.cluster.state import ClusterState
 
 MAX_TOKENS = 24
@@ -59,7 +59,7 @@ def test_folio_serve_with_a_tp2_worker_answers_as_one_rank(model_dirs):
         errors = sum(v for k, v in finished.items() if 'finish_reason="error"' in k)
         assert errors <= statuses.count(503), (finished, statuses)  # a 503 counts as an error, nothing else did
     psutil.wait_procs(followers, timeout=30)
-    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in followers), "a rank outlived serve"
+    assert not any(process_running(p) for p in followers), "a rank outlived serve"
 
 
 def redis_killed_under_load(server) -> list:
