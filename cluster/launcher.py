@@ -249,12 +249,9 @@ class FolioCluster:
         import ray
 
         drains = [h.drain.remote(grace_s) for h in self.workers.values()]
-        if not drains:  # no Ray call without an actor: ray.get([]) starts a Ray where a stop cut ray.init short
-            return
-        try:  # a worker stuck in a step never answers: the grace period bounds the wait
-            ray.get(drains, timeout=grace_s + DRAIN_MARGIN_S)
-        except Exception:
-            pass
+        with contextlib.suppress(Exception):  # a worker stuck in a step never answers: the grace period bounds it
+            if drains:  # no Ray call without an actor: ray.get([]) starts a Ray where a stop cut ray.init short
+                ray.get(drains, timeout=grace_s + DRAIN_MARGIN_S)
 
     def shutdown(self, grace_s: float = 10.0) -> None:
         """Stop admitting, let in-flight requests finish for `grace_s`, abort the rest,
@@ -275,11 +272,9 @@ class FolioCluster:
         except Exception:
             pass
         stops = [h.shutdown.remote() for h in self.workers.values()]  # at once: 5 s in all, not each
-        try:
+        with contextlib.suppress(Exception):
             if stops:
                 ray.get(stops, timeout=5)
-        except Exception:
-            pass
         for wid, h in self.workers.items():
             ray.kill(h)
             if pub is not None:
