@@ -42,7 +42,7 @@ from folio.cluster.router import Router  # noqa: E402
 from folio.cluster.state import ClusterState, WorkerPublisher  # noqa: E402
 from folio.cluster.worker_client import RayWorkerClient, actor_name  # noqa: E402
 from folio.worker.actor import EngineWorker  # noqa: E402
-from folio.worker.config import SERVER_DEFAULTS, EngineConfig  # noqa: E402
+from folio.worker.config import EngineConfig, server_engine_fields  # noqa: E402
 from folio.worker.errors import ConfigError, UnavailableError  # noqa: E402
 from folio.worker.models.model_config import ModelConfig  # noqa: E402
 
@@ -164,7 +164,7 @@ class FolioCluster:
             self.redis_url = self.redis.url
         self.state = ClusterState(self.redis_url, cfg.namespace)
         threads = cfg.torch_threads or max((os.cpu_count() or 1) // cfg.num_workers, 1)
-        engine_fields = {**SERVER_DEFAULTS, **cfg.engine_args}  # a server: memory flat under load
+        engine_fields = server_engine_fields(cfg.engine_args)  # a server: memory flat under load
         Worker = ray.remote(EngineWorker)
         for i in range(cfg.num_workers):
             tp = cfg.tensor_parallel_sizes[i]

@@ -23,6 +23,19 @@ KV_MANAGERS = ("paged", "contiguous")
 # a server's engines (the cluster's workers, `folio serve`): on the worker's GPU if it has one
 # ("auto": cluster/launcher.py's make_engine picks), the linear kernels' state built at load
 SERVER_DEFAULTS = {"device": "auto", "warm_up": True}
+# a server's step budget when chunked prefill is on (vLLM's API server on CPU): a long prompt's
+# prefill goes in 2,048-token chunks beside the running decodes; one 7,700-token prompt in one
+# step held every other stream of its worker for its whole length (35 s on 2 cores)
+SERVER_STEP_TOKENS = 2048
+
+
+def server_engine_fields(engine_args: dict) -> dict:
+    """A server's engine fields: SERVER_DEFAULTS, then `engine_args`, then SERVER_STEP_TOKENS
+    as the step budget unless one was given or chunked prefill is off."""
+    fields = {**SERVER_DEFAULTS, **engine_args}
+    if fields.get("max_num_batched_tokens") is None and fields.get("enable_chunked_prefill", True):
+        fields["max_num_batched_tokens"] = SERVER_STEP_TOKENS
+    return fields
 
 
 def _opt(default, help: str, choices: tuple | None = None):
@@ -44,7 +57,8 @@ class EngineConfig:
     kv_cache_memory_gb: float = _opt(1.0, "the device's KV cache budget when --num-kv-blocks is not given")
     max_num_seqs: int = _opt(256, "sequences running at once")
     max_num_batched_tokens: int | None = _opt(None, "the token budget of one step (default: max(2048, "
-                                                    "the max model length))")
+                                                    "the max model length); a server's with chunked "
+                                                    "prefill: 2048, as vLLM's on CPU)")
     max_model_len: int | None = _opt(None, "the longest prompt + output (default: the checkpoint's "
                                            "max_position_embeddings)")
     dtype: str = _opt("float32", "weights' and activations' dtype", DTYPES)

@@ -1,0 +1,45 @@
+"""A server's step budget (worker/config.py: server_engine_fields): with chunked prefill, 2,048
+tokens as vLLM's API server on CPU has it, so a prompt longer than that is prefilled in chunks
+beside the running decodes (one 7,700-token prompt in one step held every other stream of its
+worker for 35 s); a budget given, or chunked prefill off, stays as the engine sizes it."""
+
+import dataclasses
+
+import pytest
+
+from folio.worker import LLM, SamplingParams
+from folio.worker.config import SERVER_STEP_TOKENS, EngineConfig, server_engine_fields
+from folio.worker.models.model_config import ModelConfig
+from folio.worker.sizing import size_engine
+
+
+@pytest.mark.parametrize("args, budget", [
+    ({}, SERVER_STEP_TOKENS),
+    ({"max_num_batched_tokens": None}, SERVER_STEP_TOKENS),  # as `folio serve`'s flags pass it
+    ({"max_num_batched_tokens": 512}, 512),
+    ({"enable_chunked_prefill": False}, 8192),  # the whole longest prompt in one step
+    ({"enable_chunked_prefill": False, "max_num_batched_tokens": 9000}, 9000),
+])
+def test_the_server_budget_by_what_was_given(model_dirs, args, budget):
+    mc = dataclasses.replace(ModelConfig.from_dir(model_dirs["llama"]), max_position_embeddings=8192)
+    fields = server_engine_fields(args)
+    assert fields["device"] == "auto" and fields["warm_up"] is True
+    assert size_engine(EngineConfig(model=model_dirs["llama"], **fields), mc).max_num_batched_tokens == budget
+
+
+def test_a_prompt_past_the_budget_is_prefilled_in_chunks_beside_a_decode(model_dirs):
+    """The mechanism the server's budget relies on, at a scale a tiny model runs in a second: a
+    running stream gets a token in every step of a long prompt's prefill."""
+    llm = LLM(model_dirs["llama"], block_size=8, num_kv_blocks=256, max_num_batched_tokens=64)
+    eng = llm.engine
+    eng.add_request("decode", [5, 6, 7], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+                    output_kind="delta")
+    eng.step()
+    eng.add_request("long", list(range(10, 310)), SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    decode_tokens = []
+    for _ in range(50):
+        outs = {o.request_id: o for o in eng.step()}
+        decode_tokens.append(len(outs["decode"].outputs[0].token_ids) if "decode" in outs else 0)
+        if "long" in outs and outs["long"].finished:
+            break
+    assert len(decode_tokens) >= 5 and all(decode_tokens), decode_tokens  # 300 tokens in chunks of <= 64
