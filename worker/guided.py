@@ -32,11 +32,13 @@ from folio.worker.utf8_mask import Utf8Mask
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 64 * 1024
-# The longest one sequence's mask for one token may take. xgrammar fills one in microseconds (a
-# JSON schema) to milliseconds (an EBNF), but an ambiguous pattern (nested repetitions such as
-# (.{0,8}){0,8}) makes its Earley parser's work grow with every token: 0.04 s, then 0.4 s a
-# token here, and (.{0,64}){0,64} never finished one. Over this, the request fails alone; a
-# fill that never returns is the step watchdog's (actor_steps.py).
+# The longest one request's masks for one token may take, all its sequences (n) together.
+# xgrammar fills one in microseconds (a JSON schema) to milliseconds (an EBNF), but an ambiguous
+# pattern (nested repetitions such as (.{0,8}){0,8}) makes its Earley parser's work grow with
+# every token: 0.04 s, then 0.4 s a token here, and (.{0,64}){0,64} never finished one. Over
+# this, the request fails alone; a fill that never returns is the step watchdog's
+# (actor_steps.py). Per request, not per sequence: with n = 256 sequences each under the
+# limit, (.{0,4}){0,4} made one step take ~50 s, every other stream of the worker waiting.
 FILL_BUDGET_S = 0.25
 TOO_AMBIGUOUS = ("is too ambiguous for the grammar engine to follow (nested repetitions, such as "
                  "(.{0,8}){0,8}, multiply the ways to match)")
@@ -96,7 +98,6 @@ class Grammars:
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
         self.utf8 = Utf8Mask(self.info.decoded_vocab, vocab_size)
         self._cache: dict[GuidedSpec, Any] = {}
-        self._slow: dict[int, str] = {}  # id(matcher) -> why: over FILL_BUDGET_S once, refused from then on
         self.evaluating = None  # the sequence whose grammar is being evaluated (the step watchdog names it)
 
     def compiled(self, spec: GuidedSpec):
@@ -160,21 +161,21 @@ class Grammars:
         next, less what would make its output ill-formed UTF-8 (utf8_mask.py). A row that mask
         empties (a grammar that allows only ill-formed bytes there) is the request's error."""
         bm = self._xgr.allocate_token_bitmask(len(seqs), self.vocab_size)
+        spent: dict[int, float] = {}  # id(request) -> its sequences' fill time in this call
         try:
             for i, s in enumerate(seqs):
                 m = self.matcher(s)
-                why = self._slow.get(id(m))
+                req = getattr(s, "group", s)  # the request: its n sequences share one budget
+                why = getattr(req, "guided_too_slow", None)
                 if why is not None:  # the request alone, again (fault isolation): not a second slow fill
                     raise InvalidRequestError(why, param="response_format")
                 self.evaluating, t0 = s, time.perf_counter()
                 m.fill_next_token_bitmask(bm, i)
-                took = time.perf_counter() - t0
+                took = spent[id(req)] = spent.get(id(req), 0.0) + time.perf_counter() - t0
                 if took > FILL_BUDGET_S:
-                    if len(self._slow) >= self.MAX_CACHED:
-                        self._slow.clear()
                     kind = s.params.guided.kind.replace("_", " ")
-                    why = self._slow[id(m)] = (f"the request's {kind} {TOO_AMBIGUOUS}: one token took {took:.2f} s "
-                                               f"(the limit is {FILL_BUDGET_S} s)")
+                    why = req.guided_too_slow = (f"the request's {kind} {TOO_AMBIGUOUS}: one token took {took:.2f} s "
+                                                 f"(the limit is {FILL_BUDGET_S} s, all its sequences together)")
                     raise InvalidRequestError(why, param="response_format")
         finally:
             self.evaluating = None

@@ -108,6 +108,7 @@ class SequenceGroup:
         self.params = params
         self.arrival_time = arrival_time
         self.priority = priority
+        self.guided_too_slow: str | None = None  # why its grammar's masks were refused (guided.py)
         self.seqs: list[Sequence] = [Sequence(self, 0, prompt_token_ids)]
         self.forked = params.n == 1  # children are created when the prompt's prefill completes
         self.seqs[0].generator = self.make_generator(0)

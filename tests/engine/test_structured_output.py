@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -190,4 +191,25 @@ def test_a_grammar_too_slow_to_follow_fails_its_request_alone(llm, monkeypatch):
         assert o.error is not None and "InvalidRequestError" in o.error and "too ambiguous" in o.error, o.error
     assert not llm.engine.has_unfinished_requests()
     llm.engine.check_invariants()
+    assert llm.engine.stats().num_free_blocks == llm.engine.stats().num_kv_blocks
+
+
+def test_the_fill_budget_is_the_requests_whole_not_each_sequences(llm, monkeypatch):
+    """FILL_BUDGET_S bounds all n sequences of a request together: n = 256 sequences each just
+    under it made one step take ~50 s while every other stream of the worker waited. A clock
+    that moves 0.1 s across each fill: a request of one sequence (0.1 s a token) runs, one of
+    n = 4 (0.4 s) fails alone with the 400's message, and the batch's others finish as alone."""
+    import folio.worker.guided as guided
+
+    clock = iter(range(10**6))  # guided.py reads its clock twice a fill, and nowhere else
+    monkeypatch.setattr(guided, "time", SimpleNamespace(perf_counter=lambda: 0.1 * next(clock)))
+    monkeypatch.setattr(guided, "FILL_BUDGET_S", 0.25)
+    one = SamplingParams(max_tokens=8, temperature=0.0, guided=GuidedSpec("regex", r"[0-9]{3}-[a-z]{2,4}"))
+    four = SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=3, guided=GuidedSpec("regex", r"[a-z]{2,6}"))
+    plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    alone = llm.generate(PROMPTS[:2], [plain, one])
+    outs = llm.generate(PROMPTS[:3], [plain, one, four])
+    assert [o.token_ids for o in outs[:2]] == [o.token_ids for o in alone] and outs[0].error is outs[1].error is None
+    assert outs[2].error is not None and "too ambiguous" in outs[2].error and "all its sequences" in outs[2].error
+    assert not llm.engine.has_unfinished_requests()
     assert llm.engine.stats().num_free_blocks == llm.engine.stats().num_kv_blocks
