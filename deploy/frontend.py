@@ -2,7 +2,7 @@
 control, the router, and per-request metrics.
 
     ids = await frontend.text_ids(text) | frontend.token_ids(ids) | await frontend.chat_ids(messages)
-    frontend.check(prompts, params, priority)   # every bound, before anything is admitted
+    await frontend.check(prompts, params, priority)   # every bound, before anything is admitted
     admission = frontend.admit(len(prompts))    # all of a request's prompts, or OverloadedError
     async for chunk in frontend.generate(ids, params, priority, request_id, admission): ...
     admission.release()                          # whatever its streams did not release
@@ -16,6 +16,7 @@ ones; each frontend maps them to its status codes.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import os
 import time
@@ -123,6 +124,7 @@ class Frontend:
         self.metrics = Metrics(ClusterState(cfg.redis_url, cfg.namespace), cfg.model_name)
         self.in_flight = 0
         self._grammars = None  # structured output's compiler (worker/guided.py), made for the first such request
+        self._grammar_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="folio-grammar")
 
     # ---- prompts and checks ------------------------------------------------------------
     async def text_ids(self, text: str) -> list[int]:
@@ -134,9 +136,11 @@ class Frontend:
     async def chat_ids(self, messages: list[dict]) -> list[int]:
         return await self.prompts.chat_ids(messages)
 
-    def check(self, prompts: list[list[int]], params: SamplingParams, priority: int) -> None:
+    async def check(self, prompts: list[list[int]], params: SamplingParams, priority: int) -> None:
         """Every bound the workers would enforce, checked before admission, so a request is
-        refused whole (nothing of it runs) and no value the engine cannot take reaches it."""
+        refused whole (nothing of it runs) and no value the engine cannot take reaches it. A
+        grammar compiles on a thread of its own (xgrammar lets go of the GIL): a schema that took
+        seconds to compile held this event loop, every stream and /health of the replica, as long."""
         check_priority(priority)
         for ids in prompts:
             if len(ids) >= self.cfg.max_model_len:
@@ -152,13 +156,17 @@ class Frontend:
         resolve_bad_words(params, self.tokenizer)  # bad_words -> token ids here, so workers need no tokenizer
         check_vocab(params, self.vocab_size)
         if params.guided is not None:  # a schema the workers could not compile: refused before admission
-            if self._grammars is None:
-                from folio.worker.guided import Grammars
-                self._grammars = Grammars(self.tokenizer, self.vocab_size)
-            self._grammars.check(params.guided)
+            await asyncio.get_running_loop().run_in_executor(self._grammar_thread, self._check_grammar, params.guided)
         if len(prompts) > self.cfg.max_num_requests:
             raise InvalidRequestError(f"{len(prompts)} prompts in one request exceed the frontend's limit of "
                                       f"{self.cfg.max_num_requests} in flight", param="prompt")
+
+    def _check_grammar(self, spec) -> None:
+        """On the grammar thread: one at a time, so the compiler and its cache see one caller."""
+        if self._grammars is None:
+            from folio.worker.guided import Grammars
+            self._grammars = Grammars(self.tokenizer, self.vocab_size)
+        self._grammars.check(spec)
 
     async def default_max_tokens(self, n_prompt: int, n: int = 1) -> int:
         """A chat request without max_tokens gets what fits: up to max_model_len, and no more
@@ -188,7 +196,7 @@ class Frontend:
         """Route and stream one prompt (checked and admitted first unless `admission` is given);
         records the request's metrics. Closing the iterator early aborts the request on its worker."""
         if admission is None:
-            self.check([prompt_ids], params, priority)
+            await self.check([prompt_ids], params, priority)
             admission = self.admit(1)
         m = self.metrics
         rid = request_id or f"req-{uuid.uuid4().hex}"

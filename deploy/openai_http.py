@@ -136,7 +136,7 @@ async def chat_completions(frontend: Frontend, body: dict):
 async def _start(frontend: Frontend, req, prompts: list[list[int]], params: SamplingParams, chat: bool, model: str,
                  echo: list[str] | None):
     priority = 0 if req.priority is None else req.priority
-    frontend.check(prompts, params, priority)
+    await frontend.check(prompts, params, priority)
     admission = frontend.admit(len(prompts))
     try:
         run = Run(frontend, prompts, params, priority, admission)

@@ -377,3 +377,28 @@ def test_grpc_bodies_that_do_not_parse_are_invalid_argument(folio_server, raw, m
             r = call(raw, metadata=AUTH, timeout=30)
             list(r) if method == "GenerateStream" else r
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "protobuf" in e.value.details()
+
+
+def test_a_grammar_compiles_off_the_event_loop(model_dirs, monkeypatch):
+    """The frontend compiles a request's grammar on a thread of its own (xgrammar lets go of the
+    GIL): a schema that took 9 s to compile held the replica's event loop, every stream and
+    /health, as long. A compile made to take 0.5 s stalls the loop < 0.1 s; a refused schema
+    is still the request's InvalidRequestError."""
+    import folio.worker.guided as guided
+    from folio.deploy.frontend import Frontend, FrontendConfig
+    from folio.worker.guided import GuidedSpec
+
+    frontend = Frontend(FrontendConfig(model=model_dirs["llama"], redis_url="redis://127.0.0.1:9/0"))
+    compile_ = guided.Grammars.check
+
+    def slow_check(self, spec):
+        time.sleep(0.5)  # a compile that lets go of the GIL, as xgrammar's does
+        return compile_(self, spec)
+
+    monkeypatch.setattr(guided.Grammars, "check", slow_check)
+    params = SamplingParams(max_tokens=4, guided=GuidedSpec("regex", "[a-z]+"))
+    stall = asyncio.run(_loop_stall(lambda: frontend.check([[5, 6, 7]], params, 0)))
+    assert stall < 0.1, stall
+    deep = SamplingParams(max_tokens=4, guided=GuidedSpec("json_schema", '{"items":' * 200 + "{}" + "}" * 200))
+    with pytest.raises(InvalidRequestError, match="are compiled"):
+        asyncio.run(frontend.check([[5, 6, 7]], deep, 0))

@@ -213,3 +213,29 @@ def test_the_fill_budget_is_the_requests_whole_not_each_sequences(llm, monkeypat
     assert outs[2].error is not None and "too ambiguous" in outs[2].error and "all its sequences" in outs[2].error
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.stats().num_free_blocks == llm.engine.stats().num_kv_blocks
+
+
+def nested_schema(levels: int) -> str:
+    """A JSON schema of objects `levels` deep (its document: 2 * levels + 1 deep)."""
+    return '{"type":"object","properties":{"a":' * levels + '{"type":"string"}' + "}}" * levels
+
+
+@pytest.mark.parametrize("levels, ok", [(63, True), (64, False), (450, False), (-30_000, False)])
+def test_a_json_schema_past_the_nesting_bound_is_refused_before_it_compiles(llm, levels, ok):
+    """xgrammar's EBNF for a schema grows with the square of its depth: 450 levels (16.7 KB)
+    took ~9 s to compile, in a worker's step. Past MAX_SCHEMA_DEPTH it is a 400 naming the
+    bound, at once; a document 30,000 lists deep (past what Python's JSON decoder follows) likewise."""
+    import time
+
+    from folio.worker.guided import MAX_SCHEMA_DEPTH
+
+    spec = GuidedSpec("json_schema", nested_schema(levels) if levels > 0 else "[" * -levels + "]" * -levels)
+    params = SamplingParams(max_tokens=4, temperature=0.0, guided=spec)
+    t0 = time.perf_counter()
+    if ok:
+        assert llm.generate([PROMPTS[0]], params)[0].error is None
+        return
+    with pytest.raises(InvalidRequestError, match=f"at most {MAX_SCHEMA_DEPTH} are compiled"):
+        llm.generate([PROMPTS[0]], params)
+    assert time.perf_counter() - t0 < 2.0
+    assert not llm.engine.has_unfinished_requests()
