@@ -47,6 +47,11 @@ def logprobs_completion(tok, entries: list[dict], k: int, spans: list[tuple[int,
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def joined(first: dict, then: dict) -> dict:
+    """Two parts of one choice's completions logprobs (an echo's, then its text's), as one."""
+    return {key: first[key] + then[key] for key in first}
+
+
 def _span_lengths(tok, ids: list[int], chars: int) -> list[int]:
     """How many characters each token adds to a span's text (`chars` long) when the span's ids
     are decoded in sequence (a token inside a character: none until the one that completes it).

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from folio.deploy.frontend import Frontend
-from folio.deploy.openai_logprobs import Choice, logprobs_chat, logprobs_completion
+from folio.deploy.openai_logprobs import Choice, joined, logprobs_chat, logprobs_completion
 from folio.deploy.openai_run import Run
 from folio.deploy.openai_sse import sse
 
@@ -62,10 +62,10 @@ async def respond(frontend: Frontend, req, run: Run, chat: bool, model: str):
                 lp = await frontend.prompts.run(logprobs_chat, frontend.tokenizer, c.entries, run.params.logprobs,
                                                 as_ids)
             else:
-                echoed = run.prompt_entries(i)
-                spans = [(0, len(c.texts[0]), len(echoed))] * bool(echoed) + c.spans
-                lp = await frontend.prompts.run(logprobs_completion, frontend.tokenizer, echoed + c.entries,
-                                                run.params.logprobs, spans, as_ids)
+                lp = await frontend.prompts.run(logprobs_completion, frontend.tokenizer, c.entries,
+                                                run.params.logprobs, c.spans, as_ids)
+                echo = await run.echo_logprobs(i, run.params.logprobs, as_ids)  # once per prompt
+                lp = lp if echo is None else joined(echo, lp)
         if chat:
             message: dict = {"role": "assistant", "content": text}
             reason = c.reason

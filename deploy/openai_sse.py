@@ -15,7 +15,7 @@ import json
 from typing import AsyncIterator
 
 from folio.deploy.openai_errors import http_error
-from folio.deploy.openai_logprobs import logprobs_chat, logprobs_completion
+from folio.deploy.openai_logprobs import joined, logprobs_chat, logprobs_completion
 from folio.deploy.openai_tools import ToolCallStream
 
 
@@ -57,13 +57,15 @@ async def sse(events, run, rid, obj, created, model, chat, req, frontend) -> Asy
                 lengths[i] = at + len(d.text)
                 choice = {"index": i, "text": prefix + d.text, "logprobs": None, "finish_reason": d.finish_reason}
                 if (d.logprobs or echoed) and run.params.logprobs is not None:
-                    spans = [(0, len(prefix), len(echoed))] * bool(echoed) + [(at, len(d.text), len(d.logprobs or []))]
-                    choice["logprobs"] = logprobs_completion(tok, echoed + (d.logprobs or []), run.params.logprobs,
-                                                              spans, as_ids)
+                    lp = logprobs_completion(tok, d.logprobs or [], run.params.logprobs,
+                                             [(at, len(d.text), len(d.logprobs or []))], as_ids)
+                    if echoed:  # formatted once per prompt, off the event loop (openai_run.py)
+                        lp = joined(await run.echo_logprobs(i, run.params.logprobs, as_ids), lp)
+                    choice["logprobs"] = lp
             chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
             if req.include_usage:
                 chunk["usage"] = dict(run.usage) if req.continuous_usage else None
-            yield line(chunk)
+            yield await frontend.prompts.run(line, chunk) if echoed else line(chunk)  # megabytes: off the loop
         if req.include_usage:
             yield line({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
                         "usage": run.usage})

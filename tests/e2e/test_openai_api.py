@@ -445,6 +445,29 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs_as_hf(folio_server, token
         assert [t for m in mine for t in (m["logprobs"] or {"tokens": []})["tokens"]] == lp["tokens"]
 
 
+def test_with_n_every_choice_starts_with_its_prompts_echo_logprobs(folio_server, tokenizer):
+    """echo + logprobs with n = 3: each choice's logprobs start with its prompt's (formatted once
+    per prompt, off the event loop: per choice, on the loop, a long prompt at n = 32 held the
+    replica 17 s), then its own tokens', with offsets into its own text; streamed alike."""
+    prompts = [tokenizer(t).input_ids for t in ("def hello(world):\n    return world", "import os\n")]
+    body = {"prompt": prompts, "max_tokens": 3, "temperature": 0, "logprobs": 2, "echo": True, "n": 3,
+            "ignore_eos": True}  # (greedy: a sampled byte token's U+FFFD shifts text_offset, a known gap)
+    out = post(folio_server, "/v1/completions", body)[1]["choices"]
+    status, _, raw = call(folio_server, "POST", "/v1/completions", {**body, "stream": True})
+    chunks = [json.loads(l[6:]) for l in raw.decode().split("\n\n") if l.startswith("data: {")]
+    assert status == 200 and sorted(c["index"] for c in out) == list(range(6))
+    for c in out:
+        ids, lp = prompts[c["index"] // 3], c["logprobs"]
+        echo = {k: v[:len(ids)] for k, v in lp.items()}
+        assert len(lp["tokens"]) == len(ids) + 3 and echo["tokens"] == [tokenizer.decode([t]) for t in ids]
+        first = {k: v[:len(ids)] for k, v in out[c["index"] // 3 * 3]["logprobs"].items()}
+        assert echo == first
+        _check_offsets(c["text"], lp)
+        mine = [ch["choices"][0] for ch in chunks if ch["choices"][0]["index"] == c["index"]]
+        assert {k: v[:len(ids)] for k, v in mine[0]["logprobs"].items()} == echo
+        assert sum(len((m["logprobs"] or {"tokens": []})["tokens"]) for m in mine) == len(ids) + 3
+
+
 # ---- metrics ---------------------------------------------------------------------------------
 
 
