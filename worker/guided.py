@@ -21,6 +21,7 @@ cannot run on emitting spaces.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -109,6 +110,11 @@ def json_schema_ebnf(schema: str) -> str:
     return str(xgr.Grammar.from_json_schema(schema, any_whitespace=False)).replace(_BOUNDED_CHAR, _JSON_CHAR)
 
 
+@dataclass(frozen=True)
+class _Refused:
+    why: str  # the spec's compile error, cached as a grammar is
+
+
 class Grammars:
     """The compiler and a cache of compiled grammars for one tokenizer."""
 
@@ -125,15 +131,25 @@ class Grammars:
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
         self.utf8 = Utf8Mask(self.info.decoded_vocab, vocab_size)
         self._cache: dict[GuidedSpec, Any] = {}
+        self._lock = threading.Lock()
         self.evaluating = None  # the sequence whose grammar is being evaluated (the step watchdog names it)
 
     def compiled(self, spec: GuidedSpec):
-        g = self._cache.get(spec)
+        """The spec's compiled grammar, from the cache or compiled now. Safe from several threads
+        (a worker compiles a request's grammar on a thread before its step thread adds it)."""
+        with self._lock:
+            g = self._cache.get(spec)
         if g is None:
-            g = self._compile(spec)
-            if len(self._cache) >= self.MAX_CACHED:
-                self._cache.pop(next(iter(self._cache)))
-            self._cache[spec] = g
+            try:
+                g = self._compile(spec)  # outside the lock: xgrammar's compiler takes concurrent calls
+            except InvalidRequestError as e:  # kept too: the step thread does not compile it again
+                g = _Refused(str(e))
+            with self._lock:
+                if spec not in self._cache and len(self._cache) >= self.MAX_CACHED:
+                    self._cache.pop(next(iter(self._cache)))
+                self._cache[spec] = g
+        if isinstance(g, _Refused):
+            raise InvalidRequestError(g.why, param="response_format")
         return g
 
     def _compile(self, spec: GuidedSpec):
