@@ -31,6 +31,7 @@ async def sse(events, run, rid, obj, created, model, chat, req, frontend) -> Asy
     try:
         async for i, d in events:
             run.count(d)
+            echoed: list = []  # completions' echoed prompt's logprobs, on its choice's first chunk
             if chat:
                 delta = {} if i in lengths else {"role": "assistant"}
                 lengths[i] = 0
@@ -51,7 +52,7 @@ async def sse(events, run, rid, obj, created, model, chat, req, frontend) -> Asy
                 if d.logprobs and run.params.logprobs is not None:
                     choice["logprobs"] = logprobs_chat(tok, d.logprobs, run.params.logprobs, as_ids)
             else:
-                echoed = run.prompt_entries(i) if i not in lengths else []  # with the echo, its logprobs
+                echoed = run.prompt_entries(i) if i not in lengths else []
                 prefix = run.echo[i // run.params.n] if run.echo and i not in lengths else ""
                 at = lengths.get(i, 0) + len(prefix)
                 lengths[i] = at + len(d.text)
