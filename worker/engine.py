@@ -10,7 +10,9 @@ engine_migration.py (export / import). Not thread-safe: one caller drives it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import threading
 import time
 
 from folio.worker import fault_isolation
@@ -29,6 +31,8 @@ from folio.worker.sampling_params import SamplingParams, check_priority, check_v
 from folio.worker.scheduler import Scheduler
 from folio.worker.sequence import RequestOutput, SequenceGroup, SequenceStatus
 from folio.worker.stats import EngineStats, StepTimings
+
+_GRAMMARS_MADE = threading.Lock()  # an engine's Grammars is made once (guided_grammars)
 
 
 class LLMEngine(RequestQueries, Postprocess):
@@ -121,12 +125,20 @@ class LLMEngine(RequestQueries, Postprocess):
         return request_id
 
     def guided_grammars(self):
-        if self.grammars is None:
-            from folio.worker.guided import Grammars
-            if self.tokenizer is None:
-                raise InvalidRequestError("structured output needs the model's tokenizer")
-            self.grammars = Grammars(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        with _GRAMMARS_MADE:  # compile_grammar's thread and the step thread may both be first
+            if self.grammars is None:
+                from folio.worker.guided import Grammars
+                if self.tokenizer is None:
+                    raise InvalidRequestError("structured output needs the model's tokenizer")
+                self.grammars = Grammars(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         return self.grammars
+
+    def compile_grammar(self, spec) -> None:
+        """`spec`'s grammar into the cache add_request reads (a spec that does not compile is
+        kept as refused, and add_request raises it). Safe from a thread other than the step
+        thread: the worker compiles a request's grammar there before adding it."""
+        with contextlib.suppress(InvalidRequestError):
+            self.guided_grammars().compiled(spec)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -3,7 +3,8 @@ ask of an engine. LLMEngine (engine.py) is the one implementation, on a real mod
 simulated runner (cluster/sim/); nothing outside worker/engine*.py touches more of it.
 
 The contract (LLMEngine's docstrings hold the details):
-- one caller (the worker's step thread) drives it; nothing here is thread-safe;
+- one caller (the worker's step thread) drives it; nothing here is thread-safe but
+  compile_grammar;
 - a call that raises InvalidRequestError changed nothing;
 - a request is forgotten after its final output, its abort, or its export.
 """
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from folio.worker.config import EngineConfig
     from folio.worker.engine_migration import RequestState
+    from folio.worker.guided import GuidedSpec
     from folio.worker.messages import QueueState
     from folio.worker.sampling_params import SamplingParams
     from folio.worker.sequence import RequestOutput
@@ -34,6 +36,9 @@ class EngineCore(Protocol):
     def abort(self, request_id: str) -> bool: ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished_requests(self) -> bool: ...
+    # the one call safe from another thread: a grammar compiled off the step thread, before
+    # add_request asks for it (the worker's channel does this); a refusal is kept for add_request
+    def compile_grammar(self, spec: GuidedSpec) -> None: ...
 
     # ---- moving requests (engine_migration.py) and preempting them for the coordinator
     def export_request(self, request_id: str) -> RequestState: ...
