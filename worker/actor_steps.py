@@ -36,8 +36,9 @@ def _request_error(why: str) -> Exception:
     """A fault traced to one request (fault_isolation.describe's line): its own bad input
     found in the step (a grammar) stays a 400; anything else is the engine's 500."""
     head = f"{InvalidRequestError.__module__}.{InvalidRequestError.__name__}: "
-    if why.startswith(head):
-        return InvalidRequestError(why[len(head):], param="response_format")
+    line = why.split(" failed in the engine: ", 1)[-1]  # (after the engine's "request X failed in the engine: ")
+    if line.startswith(head):
+        return InvalidRequestError(line[len(head):], param="response_format")
     return RequestFailedError(why)
 
 

@@ -315,3 +315,33 @@ def test_a_submits_grammar_compiles_off_the_step_thread(model, tokenizer, monkey
 
     asyncio.run(main())
     assert where and "folio-step" not in where and all(n != w._step_thread.name for n in where), where
+
+
+def test_a_grammar_too_slow_to_follow_is_the_requests_400_through_the_worker(model, tokenizer, monkeypatch):
+    """The engine blames a request whose masks take longer than FILL_BUDGET_S (guided.py); through
+    the worker its error is the request's InvalidRequestError (HTTP 400, as any bad grammar), not
+    an engine failure (500): the engine's "request X failed in the engine: " line hid the type."""
+    from types import SimpleNamespace
+
+    import folio.worker.guided as guided
+    from folio.worker.guided import GuidedSpec
+
+    clock = iter(range(10**6))
+    monkeypatch.setattr(guided, "time", SimpleNamespace(perf_counter=lambda: 0.1 * next(clock)))
+    monkeypatch.setattr(guided, "FILL_BUDGET_S", 0.25)
+    w = make_worker(model, "ws")
+
+    async def main():
+        sub = w.subscribe("fe-s")
+        req = GenerateRequest(request_id="slow", prompt_token_ids=tokenizer(PROMPTS[0]).input_ids,
+                              params=SamplingParams(n=4, max_tokens=6, guided=GuidedSpec("regex", "[a-z]{2,5}")))
+        await w.commands("fe-s", [("submit", req)])
+        while True:
+            for rid, item in await sub.__anext__():
+                if isinstance(item, BaseException):
+                    await sub.aclose()
+                    return item
+                assert not item.finished, "the request was not refused"
+
+    err = asyncio.run(main())
+    assert isinstance(err, InvalidRequestError) and "too ambiguous" in str(err) and err.param == "response_format", err
