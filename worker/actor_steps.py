@@ -18,7 +18,6 @@ from folio.worker.errors import InvalidRequestError, RequestFailedError, Unavail
 from folio.worker.messages import CompletionDelta, FinishReason, GenerateRequest, StreamChunk
 
 log = logging.getLogger("folio.worker")
-DEFER = os.environ.get("FOLIO_DEFER_ACKS") == "1"
 WATCH_PERIOD_S = 1.0  # how often the watchdog looks at the step running
 
 
@@ -67,9 +66,6 @@ class StepLoop:
                     self._flush_out()
                     fut.set_exception(e)
                 else:
-                    if DEFER:
-                        self._acks.append((fut, result))
-                        continue
                     self._flush_out()  # what the command put goes out before its caller resumes
                     fut.set_result(result)
 
@@ -139,11 +135,8 @@ class StepLoop:
             return
         built.set_result(None)
         next_beat = 0.0
-        self._acks = []
         while not self._stop:
             self._run_commands()
-            if self._acks and not (self.failed is None and engine.has_unfinished_requests()):
-                self._settle_acks()
             if self.failed is None and engine.has_unfinished_requests():
                 self._step_started = time.monotonic()
                 try:
@@ -161,7 +154,6 @@ class StepLoop:
                     else:
                         self._dispatch(out)
                 self._flush_out()  # one hop to the event loop for the whole step
-                self._settle_acks()
             else:
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -169,12 +161,6 @@ class StepLoop:
             if now >= next_beat:
                 next_beat = now + self.heartbeat_s
                 self._offer_load()
-
-    def _settle_acks(self) -> None:
-        self._flush_out()
-        acks, self._acks = self._acks, []
-        for fut, result in acks:
-            fut.set_result(result)
 
     def _dispatch(self, out) -> None:
         sent = self._sent.get(out.request_id)
