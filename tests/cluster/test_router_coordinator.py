@@ -71,7 +71,9 @@ def test_a_refused_migration_neither_stalls_nor_breaks_the_stream(model, tokeniz
             tokens += chunk.deltas[0].token_ids
             times.append(time.monotonic())
             workers.append(chunk.worker_id)
-            if len(tokens) >= 5 * (len(moves) + 1) and len(moves) < 3:  # refused three times, at different points
+            # refused three times, at different points, one after the other (a move that started
+            # while the one before was still settling found the request mid-move: "unknown request")
+            if len(tokens) >= 5 * (len(moves) + 1) and len(moves) < 3 and all(m.done() for m in moves):
                 moves.append(asyncio.create_task(refused_move()))
                 await asyncio.sleep(0)
         refusals = await asyncio.gather(*moves)
