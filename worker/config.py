@@ -59,6 +59,10 @@ class EngineConfig:
     max_num_batched_tokens: int | None = _opt(None, "the token budget of one step (default: max(2048, "
                                                     "the max model length); a server's with chunked "
                                                     "prefill: 2048, as vLLM's on CPU)")
+    long_prefill_token_threshold: int | None = _opt(None, "a prefill chunk longer than this waits until every "
+                                                          "other request of the step had its turn, then takes "
+                                                          "the budget left (default: a quarter of the step "
+                                                          "budget; 0: off)")
     max_model_len: int | None = _opt(None, "the longest prompt + output (default: the checkpoint's "
                                            "max_position_embeddings)")
     dtype: str = _opt("float32", "weights' and activations' dtype", DTYPES)
@@ -105,6 +109,8 @@ class EngineConfig:
             raise ConfigError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_batched_tokens must be >= 1")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
+            raise ConfigError("long_prefill_token_threshold must be >= 0")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError("num_kv_blocks must be >= 1")
         if not 0.0 <= self.watermark < 1.0:

@@ -69,7 +69,7 @@ class LLMEngine(RequestQueries, Postprocess):
                                    config.enable_chunked_prefill,
                                    watermark_blocks=int(config.watermark * self.num_kv_blocks),
                                    preemption_mode=config.preemption_mode, kv_bytes_per_block=sizes.bytes_per_block,
-                                   rates=self.rates)
+                                   rates=self.rates, long_prefill_tokens=sizes.long_prefill_tokens)
         self.tokenizer = info.tokenizer
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.eos_token_ids = set(info.eos_token_ids)

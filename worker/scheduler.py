@@ -11,6 +11,12 @@ prompt longer than the step's token budget is prefilled in chunks across steps.
       2. if nothing was preempted: admit waiting requests (priority, then
          arrival), reusing prefix-cached blocks, while budget, seats and blocks
          (above the watermark) last. Head-of-line blocking keeps the order fair.
+      3. a prefill chunk longer than `long_prefill_tokens` is first held at that
+         many tokens, and takes what budget is left once every other sequence had
+         its turn (the fewest tokens left first): a long prompt's chunks no longer
+         keep the requests that arrive behind it waiting for its whole prefill
+         (vLLM's long_prefill_token_threshold, with the rest of the budget given
+         back to the held chunks, so a step is as full as before).
 
 A preempted sequence is swapped out to CPU memory (its KV kept) or recomputed
 (its KV dropped), per `preemption.choose_mode`. Swapped sequences come back
@@ -60,8 +66,10 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool = True, watermark_blocks: int = 0,
                  preemption_mode: str = "recompute", kv_bytes_per_block: int = 0,
-                 rates: PreemptionRates | None = None) -> None:
+                 rates: PreemptionRates | None = None, long_prefill_tokens: int = 0) -> None:
         self.kv = kv
+        # 0: off; only with chunked prefill (without, a prompt goes in one step whole)
+        self.long_prefill_tokens = long_prefill_tokens if enable_chunked_prefill else 0
         self.preemption_mode = preemption_mode
         self.kv_bytes_per_block = kv_bytes_per_block
         self.rates = rates or PreemptionRates()
@@ -195,16 +203,39 @@ class Scheduler:
             budget -= n
         return budget
 
+    def _hold(self, seq: Sequence, n: int, held: list[Sequence]) -> int:
+        cap = self.long_prefill_tokens
+        if cap and n > cap:
+            held.append(seq)
+            return cap
+        return n
+
+    def _top_up(self, held: list[Sequence], budget: int, scheduled: dict[int, int]) -> int:
+        """The budget left after every sequence's turn goes to the held prefill chunks, the one
+        with the fewest tokens left first (a short prompt's prefill completes in this step)."""
+        for seq in sorted(held, key=lambda q: q.num_tokens - q.num_computed_tokens):
+            n = scheduled.get(seq.seq_id)
+            if n is None or seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted after it was held
+            more = min(seq.num_tokens - seq.num_computed_tokens - n, budget)
+            if more > 0 and self.kv.allocate_slots(seq, n + more):
+                scheduled[seq.seq_id] = n + more
+                budget -= more
+            if budget == 0:
+                break
+        return budget
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: dict[int, int] = {}  # seq_id -> num tokens, in insertion order
         by_id: dict[int, Sequence] = {}
+        held: list[Sequence] = []  # long prefill chunks held at long_prefill_tokens (step 3)
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._hold(seq, min(seq.num_tokens - seq.num_computed_tokens, budget), held)
             while not self.kv.allocate_slots(seq, n):
                 victim = choose_victim(self.running)
                 vi = self.running.index(victim)
@@ -241,6 +272,7 @@ class Scheduler:
                     if not self.enable_chunked_prefill:
                         break
                     n = budget
+                n = self._hold(seq, n, held)
                 reserve = self.watermark_blocks if self.running else 0  # alone, a request may use every block
                 if not self.kv.allocate_slots(seq, n, blocks, reserve=reserve):
                     break
@@ -253,6 +285,8 @@ class Scheduler:
                 by_id[seq.seq_id] = seq
                 budget -= n
 
+        if held and budget > 0:
+            budget = self._top_up(held, budget, scheduled)
         out.scheduled = [(by_id[sid], n) for sid, n in scheduled.items()]
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         out.block_copies = self.kv.take_copies()

@@ -19,6 +19,7 @@ class EngineSizes:
     num_kv_blocks: int  # device blocks
     num_cpu_blocks: int  # swap-space blocks (0: no swapping)
     bytes_per_block: int  # K + V of one block, all layers
+    long_prefill_tokens: int = 0  # a longer prefill chunk takes what a step leaves (scheduler.py; 0: off)
 
 
 def max_model_len(config: EngineConfig, mc: ModelConfig) -> int:
@@ -54,4 +55,7 @@ def size_engine(config: EngineConfig, mc: ModelConfig) -> EngineSizes:
         # than device blocks mostly let requests sit swapped rather than waiting
         num_cpu_blocks = (config.num_cpu_blocks if config.num_cpu_blocks is not None
                           else min(int(config.swap_space_gb * (1 << 30)) // bytes_per_block, num_kv_blocks))
-    return EngineSizes(length, budget, num_kv_blocks, num_cpu_blocks, bytes_per_block)
+    long_prefill = config.long_prefill_token_threshold
+    if long_prefill is None:
+        long_prefill = budget // 4
+    return EngineSizes(length, budget, num_kv_blocks, num_cpu_blocks, bytes_per_block, long_prefill)

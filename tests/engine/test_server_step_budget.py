@@ -43,3 +43,35 @@ def test_a_prompt_past_the_budget_is_prefilled_in_chunks_beside_a_decode(model_d
         if "long" in outs and outs["long"].finished:
             break
     assert len(decode_tokens) >= 5 and all(decode_tokens), decode_tokens  # 300 tokens in chunks of <= 64
+
+
+@pytest.mark.parametrize("args, threshold", [({}, SERVER_STEP_TOKENS // 4), ({"long_prefill_token_threshold": 0}, 0),
+                                             ({"long_prefill_token_threshold": 100}, 100)])
+def test_the_long_prefill_threshold_by_what_was_given(model_dirs, args, threshold):
+    mc = ModelConfig.from_dir(model_dirs["llama"])
+    sizes = size_engine(EngineConfig(model=model_dirs["llama"], **server_engine_fields(args)), mc)
+    assert sizes.long_prefill_tokens == threshold
+
+
+def test_a_request_arriving_during_a_long_prefill_gets_its_token_in_the_next_step(model_dirs):
+    """scheduler.py step 3 through the engine: the long prompt's chunks leave room for a short
+    request that arrives meanwhile, and neither output changes (greedy, as each alone)."""
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    short, long = list(range(40, 52)), list(range(100, 400))
+    alone = {rid: LLM(model_dirs["llama"], block_size=8, num_kv_blocks=256).generate([p], sp)[0].outputs[0].token_ids
+             for rid, p in (("short", short), ("long", long))}
+    llm = LLM(model_dirs["llama"], block_size=8, num_kv_blocks=256, max_num_batched_tokens=64)
+    eng = llm.engine
+    assert eng.scheduler.long_prefill_tokens == 16
+    eng.add_request("long", long, sp)
+    eng.step()
+    eng.add_request("short", short, sp)
+    got, steps = {}, {}
+    for step in range(1, 40):
+        for o in eng.step():
+            if o.finished:
+                got[o.request_id], steps[o.request_id] = o.outputs[0].token_ids, step
+        if len(got) == 2:
+            break
+    assert steps["short"] == 4, steps  # its prompt in the first step after it arrived, then 3 decodes
+    assert got == alone
