@@ -2,12 +2,13 @@
 `folio serve` (issue #15: a server no single request can hold up).
 
     python benchmarks/long_prompt_neighbours.py --model models/SmolLM2-135M-Instruct.Q4_1-f32
-        [--long-tokens 7700] [--thresholds default,0] [--rounds 2] [--vllm]
+        [--long-tokens 7700] [--variants "default,--long-prefill-token-threshold 0"] [--rounds 2] [--vllm]
 
-One `folio serve` per `--long-prefill-token-threshold` value (`default`: the server's own, a
-quarter of its 2,048-token step budget; 0: off, a long prompt's chunks take the whole budget
-as in vLLM's default scheduler), all up at once and idle while another is measured, run
-A B B A per round. A run: one completion with a `--long-tokens` prompt of random token ids
+One `folio serve` per variant (`default`: the server's own settings, a long prompt prefilled
+in chunks of at most a quarter of its 2,048-token step budget; else extra
+`folio serve` flags, e.g. `--long-prefill-token-threshold 0`: off, a long prompt's chunks take
+the whole budget as in vLLM's default scheduler), all up at once and idle while another is
+measured, run A B B A per round. A run: one completion with a `--long-tokens` prompt of random token ids
 (max_tokens 1) and, while it runs, a short streamed completion (8 random tokens -> 4) every
 `--interval` s from another client: the short ones' time to first token and to their end, and
 the long one's time. `--vllm` adds `vllm serve` (from .venv-vllm, float32, the same step
@@ -108,7 +109,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
     ap.add_argument("--long-tokens", type=int, default=7700)
-    ap.add_argument("--thresholds", default="default,0")
+    ap.add_argument("--variants", default="default,--long-prefill-token-threshold 0")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--interval", type=float, default=0.5)
     ap.add_argument("--vllm", action="store_true")
@@ -121,11 +122,11 @@ def main() -> int:
     name = os.path.basename(args.model.rstrip("/"))
     servers: dict[str, tuple] = {}
     try:
-        for th in args.thresholds.split(","):
-            extra = () if th == "default" else ("--long-prefill-token-threshold", th)
+        for variant in args.variants.split(","):
+            extra = () if variant == "default" else tuple(variant.split())
             srv, http, _ = serve_local.start_server(args.model, 1, *extra)
             drain(srv)
-            servers[f"folio threshold={th}"] = (srv, http, name)
+            servers[f"folio {variant}"] = (srv, http, name)
         if args.vllm:
             srv, port = start_vllm(args.vllm_model or args.model, 2048)
             servers["vllm serve"] = (srv, port, os.path.basename((args.vllm_model or args.model).rstrip("/")))

@@ -3,6 +3,7 @@ machine, same tiny model, same threads, measured in alternation (A B C A B C ...
 
     python benchmarks/vs_peers_offline.py --model models/tiny-llama-8l [--rounds 2] [--setup-vllm]
     python benchmarks/vs_peers_offline.py --model path/to/SmolLM2-135M-Instruct.Q4_1.gguf --dtype bfloat16
+    python benchmarks/vs_peers_offline.py --model ... --peers folio,folio-lanes2,vllm   (forward_lanes=2 as a peer)
 
 A GGUF file is dequantized once, by transformers' own GGUF reader, into a float32 Hugging Face
 directory under models/ (vLLM's CPU build has no GGUF kernels), and every peer runs that
@@ -23,6 +24,7 @@ Results: benchmarks/results/vs_peers_offline.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -54,11 +56,11 @@ def workload(name: str, vocab: int, seed: int = 0) -> list[tuple[list[int], int]
 
 
 # ---- the three runners (each in its own process) --------------------------------------------
-def run_folio(model, reqs, kv_tokens, dtype):
+def run_folio(model, reqs, kv_tokens, dtype, lanes=None):
     from folio.worker import LLM, SamplingParams
 
     llm = LLM(model, dtype=dtype, block_size=16, num_kv_blocks=kv_tokens // 16, max_model_len=MAX_MODEL_LEN, max_num_seqs=256,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, forward_lanes=lanes)
     llm.generate([reqs[0][0][:16]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True, detokenize=False) for _, o in reqs]
     t0 = time.perf_counter()
@@ -208,7 +210,9 @@ def workload_ceiling(model: str, reqs, peak_flops: float) -> dict:
 
 def child(args) -> None:
     reqs = json.load(open(args.reqs))
-    fn = {"folio": run_folio, "vllm": run_vllm, "hf": run_hf}[args.role]
+    fn = {"folio": run_folio, "vllm": run_vllm, "hf": run_hf}.get(args.role)
+    if args.role.startswith("folio-lanes"):  # folio-lanesN: worker/forward_lanes.py with N lanes
+        fn = functools.partial(run_folio, lanes=int(args.role[len("folio-lanes"):]))
     seconds, tokens = fn(args.model, reqs, args.kv_tokens, args.dtype)
     assert [len(t) for t in tokens] == [o for _, o in reqs], "every request must produce its output length"
     json.dump({"seconds": seconds, "tokens": tokens}, open(args.result, "w"))
@@ -262,7 +266,8 @@ def main() -> None:
 
     vocab = len(load_tokenizer(args.model))
     peers = args.peers.split(",")
-    python = {"folio": sys.executable, "hf": sys.executable, "vllm": os.path.join(VLLM_VENV, "bin", "python")}
+    python = {p: sys.executable for p in peers}  # folio, folio-lanesN, hf
+    python["vllm"] = os.path.join(VLLM_VENV, "bin", "python")
     doc = {"benchmark": "vs_peers_offline", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": args.model,
            "source": source, "dtype": args.dtype,
            "command": " ".join(["python"] + sys.argv), "threads": 2, "workloads": {}}
@@ -291,11 +296,11 @@ def main() -> None:
         entry = {"requests": len(reqs), "output_tokens": out_tokens, "kv_budget_tokens": kv,
                  "output_tokens_per_s": {p: [round(x, 1) for x in v] for p, v in per_round.items()},
                  "ratios": {}}
-        for other in peers:
-            if other != "folio" and "folio" in peers:
-                rs = [f / o for f, o in zip(per_round["folio"], per_round[other])]
-                entry["ratios"][f"folio/{other}"] = {"per_round": [round(x, 2) for x in rs],
-                                                     "mean": round(statistics.fmean(rs), 2)}
+        for ours in (p for p in peers if p.startswith("folio")):
+            for other in (p for p in peers if not p.startswith("folio")):
+                rs = [f / o for f, o in zip(per_round[ours], per_round[other])]
+                entry["ratios"][f"{ours}/{other}"] = {"per_round": [round(x, 2) for x in rs],
+                                                      "mean": round(statistics.fmean(rs), 2)}
         if wl == "fixed" and "folio" in tokens:
             entry["greedy_agreement"] = {f"folio~{p}": agreement(tokens["folio"], tokens[p]) for p in tokens
                                          if p != "folio"}

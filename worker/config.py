@@ -59,10 +59,10 @@ class EngineConfig:
     max_num_batched_tokens: int | None = _opt(None, "the token budget of one step (default: max(2048, "
                                                     "the max model length); a server's with chunked "
                                                     "prefill: 2048, as vLLM's on CPU)")
-    long_prefill_token_threshold: int | None = _opt(None, "a prefill chunk longer than this waits until every "
-                                                          "other request of the step had its turn, then takes "
-                                                          "the budget left (default: a quarter of the step "
-                                                          "budget; 0: off)")
+    long_prefill_token_threshold: int | None = _opt(None, "the most tokens of one prompt prefilled in one step, "
+                                                          "so a long prompt leaves room to the requests that "
+                                                          "arrive during it (default: a quarter of the step "
+                                                          "budget; 0: the whole budget)")
     max_model_len: int | None = _opt(None, "the longest prompt + output (default: the checkpoint's "
                                            "max_position_embeddings)")
     dtype: str = _opt("float32", "weights' and activations' dtype", DTYPES)

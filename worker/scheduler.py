@@ -11,12 +11,11 @@ prompt longer than the step's token budget is prefilled in chunks across steps.
       2. if nothing was preempted: admit waiting requests (priority, then
          arrival), reusing prefix-cached blocks, while budget, seats and blocks
          (above the watermark) last. Head-of-line blocking keeps the order fair.
-      3. a prefill chunk longer than `long_prefill_tokens` is first held at that
-         many tokens, and takes what budget is left once every other sequence had
-         its turn (the fewest tokens left first): a long prompt's chunks no longer
-         keep the requests that arrive behind it waiting for its whole prefill
-         (vLLM's long_prefill_token_threshold, with the rest of the budget given
-         back to the held chunks, so a step is as full as before).
+      3. a prefill chunk is at most `long_prefill_tokens` (vLLM's
+         long_prefill_token_threshold): a long prompt's prefill leaves room in
+         every step for the requests that arrive during it, and a step lasts what
+         that many tokens take, so no stream waits longer than that for its next
+         token and no newcomer for its first.
 
 A preempted sequence is swapped out to CPU memory (its KV kept) or recomputed
 (its KV dropped), per `preemption.choose_mode`. Swapped sequences come back
@@ -184,7 +183,7 @@ class Scheduler:
             head = self._peek_waiting()
             if head is not None and head.priority < seq.priority:
                 break  # a higher-priority request waits: it is admitted first
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.long_prefill_tokens or budget)
             # room for its next tokens, plus headroom: the watermark and one block per
             # running sequence (each may grow), so it is not preempted again at once
             held = self.kv.swapped_blocks(seq)
@@ -203,39 +202,17 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _hold(self, seq: Sequence, n: int, held: list[Sequence]) -> int:
-        cap = self.long_prefill_tokens
-        if cap and n > cap:
-            held.append(seq)
-            return cap
-        return n
-
-    def _top_up(self, held: list[Sequence], budget: int, scheduled: dict[int, int]) -> int:
-        """The budget left after every sequence's turn goes to the held prefill chunks, the one
-        with the fewest tokens left first (a short prompt's prefill completes in this step)."""
-        for seq in sorted(held, key=lambda q: q.num_tokens - q.num_computed_tokens):
-            n = scheduled.get(seq.seq_id)
-            if n is None or seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted after it was held
-            more = min(seq.num_tokens - seq.num_computed_tokens - n, budget)
-            if more > 0 and self.kv.allocate_slots(seq, n + more):
-                scheduled[seq.seq_id] = n + more
-                budget -= more
-            if budget == 0:
-                break
-        return budget
-
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: dict[int, int] = {}  # seq_id -> num tokens, in insertion order
         by_id: dict[int, Sequence] = {}
-        held: list[Sequence] = []  # long prefill chunks held at long_prefill_tokens (step 3)
+        cap = self.long_prefill_tokens or budget  # step 3
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._hold(seq, min(seq.num_tokens - seq.num_computed_tokens, budget), held)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, cap)
             while not self.kv.allocate_slots(seq, n):
                 victim = choose_victim(self.running)
                 vi = self.running.index(victim)
@@ -272,7 +249,7 @@ class Scheduler:
                     if not self.enable_chunked_prefill:
                         break
                     n = budget
-                n = self._hold(seq, n, held)
+                n = min(n, cap)
                 reserve = self.watermark_blocks if self.running else 0  # alone, a request may use every block
                 if not self.kv.allocate_slots(seq, n, blocks, reserve=reserve):
                     break
@@ -285,8 +262,6 @@ class Scheduler:
                 by_id[seq.seq_id] = seq
                 budget -= n
 
-        if held and budget > 0:
-            budget = self._top_up(held, budget, scheduled)
         out.scheduled = [(by_id[sid], n) for sid, n in scheduled.items()]
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         out.block_copies = self.kv.take_copies()
