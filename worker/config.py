@@ -30,11 +30,15 @@ SERVER_STEP_TOKENS = 2048
 
 
 def server_engine_fields(engine_args: dict) -> dict:
-    """A server's engine fields: SERVER_DEFAULTS, then `engine_args`, then SERVER_STEP_TOKENS
-    as the step budget unless one was given or chunked prefill is off."""
+    """A server's engine fields: SERVER_DEFAULTS, then `engine_args`, then with chunked prefill
+    SERVER_STEP_TOKENS as the step budget and a quarter of the budget as the longest prefill
+    chunk, unless given (scheduler.py: newcomers are not held up by a long prompt)."""
     fields = {**SERVER_DEFAULTS, **engine_args}
-    if fields.get("max_num_batched_tokens") is None and fields.get("enable_chunked_prefill", True):
-        fields["max_num_batched_tokens"] = SERVER_STEP_TOKENS
+    if fields.get("enable_chunked_prefill", True):
+        if fields.get("max_num_batched_tokens") is None:
+            fields["max_num_batched_tokens"] = SERVER_STEP_TOKENS
+        if fields.get("long_prefill_token_threshold") is None:
+            fields["long_prefill_token_threshold"] = fields["max_num_batched_tokens"] // 4
     return fields
 
 
@@ -61,8 +65,9 @@ class EngineConfig:
                                                     "prefill: 2048, as vLLM's on CPU)")
     long_prefill_token_threshold: int | None = _opt(None, "the most tokens of one prompt prefilled in one step, "
                                                           "so a long prompt leaves room to the requests that "
-                                                          "arrive during it (default: a quarter of the step "
-                                                          "budget; 0: the whole budget)")
+                                                          "arrive during it (0: the whole budget; default: a "
+                                                          "server's a quarter of its budget, the offline "
+                                                          "LLM's 0)")
     max_model_len: int | None = _opt(None, "the longest prompt + output (default: the checkpoint's "
                                            "max_position_embeddings)")
     dtype: str = _opt("float32", "weights' and activations' dtype", DTYPES)

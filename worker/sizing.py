@@ -55,7 +55,5 @@ def size_engine(config: EngineConfig, mc: ModelConfig) -> EngineSizes:
         # than device blocks mostly let requests sit swapped rather than waiting
         num_cpu_blocks = (config.num_cpu_blocks if config.num_cpu_blocks is not None
                           else min(int(config.swap_space_gb * (1 << 30)) // bytes_per_block, num_kv_blocks))
-    long_prefill = config.long_prefill_token_threshold
-    if long_prefill is None:
-        long_prefill = budget // 4
-    return EngineSizes(length, budget, num_kv_blocks, num_cpu_blocks, bytes_per_block, long_prefill)
+    return EngineSizes(length, budget, num_kv_blocks, num_cpu_blocks, bytes_per_block,
+                       config.long_prefill_token_threshold or 0)

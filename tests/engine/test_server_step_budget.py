@@ -45,12 +45,19 @@ def test_a_prompt_past_the_budget_is_prefilled_in_chunks_beside_a_decode(model_d
     assert len(decode_tokens) >= 5 and all(decode_tokens), decode_tokens  # 300 tokens in chunks of <= 64
 
 
-@pytest.mark.parametrize("args, threshold", [({}, SERVER_STEP_TOKENS // 4), ({"long_prefill_token_threshold": 0}, 0),
-                                             ({"long_prefill_token_threshold": 100}, 100)])
+@pytest.mark.parametrize("args, threshold", [
+    ({}, SERVER_STEP_TOKENS // 4), ({"long_prefill_token_threshold": 0}, 0),
+    ({"long_prefill_token_threshold": 100}, 100), ({"max_num_batched_tokens": 4096}, 1024),
+    ({"enable_chunked_prefill": False}, 0)])
 def test_the_long_prefill_threshold_by_what_was_given(model_dirs, args, threshold):
     mc = ModelConfig.from_dir(model_dirs["llama"])
     sizes = size_engine(EngineConfig(model=model_dirs["llama"], **server_engine_fields(args)), mc)
     assert sizes.long_prefill_tokens == threshold
+
+
+def test_the_offline_engine_takes_the_whole_budget_per_prompt(model_dirs):
+    """As vLLM's offline LLM: the threshold is a server's default, throughput is the LLM's."""
+    assert LLM(model_dirs["llama"], num_kv_blocks=64).engine.scheduler.long_prefill_tokens == 0
 
 
 def test_a_request_arriving_during_a_long_prefill_gets_its_token_in_the_next_step(model_dirs):
@@ -60,9 +67,9 @@ def test_a_request_arriving_during_a_long_prefill_gets_its_token_in_the_next_ste
     short, long = list(range(40, 52)), list(range(100, 400))
     alone = {rid: LLM(model_dirs["llama"], block_size=8, num_kv_blocks=256).generate([p], sp)[0].outputs[0].token_ids
              for rid, p in (("short", short), ("long", long))}
-    llm = LLM(model_dirs["llama"], block_size=8, num_kv_blocks=256, max_num_batched_tokens=64)
+    llm = LLM(model_dirs["llama"], block_size=8, num_kv_blocks=256, max_num_batched_tokens=64,
+              long_prefill_token_threshold=16)
     eng = llm.engine
-    assert eng.scheduler.long_prefill_tokens == 16
     eng.add_request("long", long, sp)
     eng.step()
     eng.add_request("short", short, sp)
