@@ -151,6 +151,8 @@ def test_bad_engine_config(model_dirs):
         LLM(model_dirs["llama"], max_model_len=10**6)
     with pytest.raises(ConfigError, match="contiguous"):
         LLM(model_dirs["llama"], kv_manager="contiguous", num_kv_blocks=4, max_model_len=512)
+    with pytest.raises(ConfigError, match="long_prefill_token_threshold"):
+        EngineConfig(model=model_dirs["llama"], long_prefill_token_threshold=-1)
 
 
 def test_abort_running_and_waiting_requests_frees_blocks(llm):
