@@ -2,13 +2,16 @@
 alone, one request at a time, 16-token prompt, 1 output token (so the time is almost all
 path, not model).
 
-    python benchmarks/frontend_overhead.py --model models/tiny-llama-8l [--requests 50]
+    python benchmarks/frontend_overhead.py --model models/tiny-llama-8l [--requests 50] [--vllm]
 
 Engine alone: LLMEngine.add_request + step() in this process. Through the server: the
 HTTP API (non-streaming /v1/completions with the `openai` client) and gRPC (Generate),
 each served by the frontend replica itself (its router, then the worker's TCP channel:
 worker/data_plane.py). Targets (issue #15): the path adds < 2 ms p50 over gRPC, < 4 ms over
-HTTP. Results: benchmarks/results/frontend_overhead.json.
+HTTP. With --vllm, the same for vLLM as the reference of what this machine allows: its offline
+`LLM` (one `generate` call per request, in .venv-vllm) against `vllm serve` over HTTP (the same
+`openai` client call), both float32 with prefix caching on, as `folio serve` has it.
+Results: benchmarks/results/frontend_overhead.json.
 """
 
 from __future__ import annotations
@@ -62,10 +65,65 @@ def step_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, floa
     return doc
 
 
+def vllm_offline(model: str, n: int) -> list[float]:
+    """In .venv-vllm: ms per one-token request through vLLM's offline `LLM`, after 5 warm-ups."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model, dtype="float32", max_model_len=1024, seed=0)
+    sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    ms = []
+    for i in range(n + 5):
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": list(range(100, 116))}], sp, use_tqdm=False)
+        if i >= 5:
+            ms.append(1e3 * (time.perf_counter() - t0))
+    return ms
+
+
+def vllm_reference(model: str, n: int, stats) -> dict:
+    """vLLM's offline `LLM` and `vllm serve` (HTTP), one one-token request at a time."""
+    import tempfile
+
+    import openai
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from long_prompt_neighbours import start_vllm
+
+    py = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-vllm", "bin", "python")
+    res = os.path.join(tempfile.mkdtemp(prefix="folio-overhead-vllm-"), "offline.json")
+    code = (f"import json, sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+            f"import frontend_overhead as f; json.dump(f.vllm_offline({os.path.abspath(model)!r}, {n}), "
+            f"open({res!r}, 'w'))")
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", OMP_NUM_THREADS="2", VLLM_CPU_KVCACHE_SPACE="1",
+               HF_HUB_OFFLINE="1")
+    p = subprocess.run([py, "-c", code], capture_output=True, text=True, env=env, cwd=tempfile.gettempdir())
+    if p.returncode != 0:
+        raise SystemExit(f"vLLM's offline run failed:\n{p.stderr[-3000:]}")
+    with open(res) as f:
+        offline = json.load(f)
+    srv, port = start_vllm(model, 2048, "--max-model-len", "1024", "--seed", "0")
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        name = os.path.basename(model.rstrip("/"))
+        http_ms = []
+        for i in range(n + 5):
+            t0 = time.perf_counter()
+            client.completions.create(model=name, prompt=list(range(100, 116)), max_tokens=1, temperature=0,
+                                      extra_body={"ignore_eos": True})
+            if i >= 5:
+                http_ms.append(1e3 * (time.perf_counter() - t0))
+    finally:
+        os.killpg(srv.pid, signal.SIGTERM)
+        srv.wait(60)
+    return {"offline_ms": stats(offline), "http_ms": stats(http_ms),
+            "added_p50_ms": {"http": round(pct(http_ms, 50) - pct(offline, 50), 2)}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--requests", type=int, default=50)
+    ap.add_argument("--vllm", action="store_true", help="also vLLM's offline LLM against vllm serve (.venv-vllm)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "frontend_overhead.json"))
     args = ap.parse_args()
     prompt = list(range(100, 116))
@@ -142,6 +200,8 @@ def main() -> None:
            # and in the served worker (its /metrics), so the path's share and the engine's own
            # slowdown when served can be told apart
            "engine_alone_step_ms": alone_step, "served_engine_step_ms": served_step}
+    if args.vllm:
+        doc["vllm"] = vllm_reference(args.model, args.requests, stats)
     print(json.dumps(doc, indent=2))
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=2)

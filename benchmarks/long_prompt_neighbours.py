@@ -74,16 +74,16 @@ def one_run(port: int, model: str, long_tokens: int, interval: float, vocab: int
             "side_end_s": {"p50": round(statistics.median(end), 3), "max": round(max(end), 3)} if side else None}
 
 
-def start_vllm(model: str, budget: int):
+def start_vllm(model: str, budget: int, *extra: str):
     """`vllm serve` (vLLM's OpenAI server) from .venv-vllm, float32, the same step budget, started
-    outside the checkout (its kernels/ shadows vLLM's import)."""
+    outside the checkout (its kernels/ shadows vLLM's import); frontend_overhead.py uses it too."""
     import requests
 
     port = serve_local.free_port()
     py = os.path.join(os.path.dirname(HERE), ".venv-vllm", "bin", "python")
     cmd = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", os.path.abspath(model), "--dtype", "float32",
            "--host", "127.0.0.1", "--port", str(port), "--max-num-batched-tokens", str(budget),
-           "--served-model-name", os.path.basename(model.rstrip("/"))]
+           "--served-model-name", os.path.basename(model.rstrip("/")), *extra]
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", OMP_NUM_THREADS="2", VLLM_CPU_KVCACHE_SPACE="1",
                HF_HUB_OFFLINE="1")
     srv = subprocess.Popen(cmd, cwd=tempfile.gettempdir(), env=env, stdout=subprocess.DEVNULL,
