@@ -15,7 +15,8 @@ prompt longer than the step's token budget is prefilled in chunks across steps.
          long_prefill_token_threshold): a long prompt's prefill leaves room in
          every step for the requests that arrive during it, and a step lasts what
          that many tokens take, so no stream waits longer than that for its next
-         token and no newcomer for its first.
+         token and no newcomer for its first. One long prompt is prefilled at a
+         time (MAX_LONG_PREFILLS); shorter requests are admitted past the others.
 
 A preempted sequence is swapped out to CPU memory (its KV kept) or recomputed
 (its KV dropped), per `preemption.choose_mode`. Swapped sequences come back
@@ -34,6 +35,12 @@ from dataclasses import dataclass, field
 from folio.worker.block_manager import KVCacheManager
 from folio.worker.preemption import PreemptionRates, choose_mode, choose_victim
 from folio.worker.sequence import Sequence, SequenceGroup, SequenceStatus
+
+# Long prompts (over long_prefill_tokens) prefilled at once, as vLLM's max_long_partial_prefills:
+# several long prefills admitted together, each a chunk a step, ran out of blocks and preempted
+# each other (8 prompts of 16x the chunk, blocks for 3 of them: 1,377 tokens recomputed, 0 without
+# the chunk limit); the others wait, while shorter requests are admitted past them.
+MAX_LONG_PREFILLS = 1
 
 __all__ = ["Scheduler", "SchedulerOutput", "SchedulerStats", "choose_victim"]
 
@@ -202,6 +209,12 @@ class Scheduler:
             budget -= n
         return budget
 
+    def _long_prefills(self, cap: int) -> int:
+        """Running sequences with more than a chunk of their prompt still to prefill."""
+        if not self.long_prefill_tokens:
+            return 0
+        return sum(1 for q in self.running if q.num_tokens - q.num_computed_tokens > cap)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
@@ -236,10 +249,14 @@ class Scheduler:
             # swapped requests go first, except where a waiting one has strictly higher
             # priority (a victim swapped out to make room for it must not take the room back)
             blocking = min((s.priority for s in self.swapped), default=None)
+            longs, held = self._long_prefills(cap), []
             while budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self._peek_waiting()
                 if seq is None or (blocking is not None and seq.priority >= blocking):
                     break
+                if seq.num_tokens > cap and longs >= MAX_LONG_PREFILLS:
+                    held.append(heapq.heappop(self._waiting))  # waits for the long one; others go on
+                    continue
                 group = seq.group
                 if not group.forked and len(self.running) + group.params.n > self.max_num_seqs:
                     break  # keep seats for the n completions it will fork into
@@ -261,6 +278,9 @@ class Scheduler:
                 scheduled[seq.seq_id] = n
                 by_id[seq.seq_id] = seq
                 budget -= n
+                longs += seq.num_tokens - num_cached > cap
+            for entry in held:
+                heapq.heappush(self._waiting, entry)
 
         out.scheduled = [(by_id[sid], n) for sid, n in scheduled.items()]
         out.num_batched_tokens = self.max_num_batched_tokens - budget

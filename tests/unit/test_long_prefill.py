@@ -73,11 +73,30 @@ def test_the_threshold_is_off_without_chunked_prefill():
     assert plan(s.schedule()) == [("long", 400)]
 
 
-def test_long_prefills_share_the_budget():
+def test_one_long_prompt_is_prefilled_at_a_time_and_shorter_ones_pass_the_others():
     s = Scheduler(PagedKVManager(256, 4), max_num_seqs=8, max_num_batched_tokens=100, long_prefill_tokens=40)
-    for i, n in enumerate((400, 60, 30)):
+    done: list[str] = []
+    for i, n in enumerate((200, 60, 30)):
         s.add(group(f"r{i}", n, float(i)))
-    assert plan(s.schedule()) == [("r0", 40), ("r1", 40), ("r2", 20)]  # none starved until another is done
+    out = s.schedule()
+    assert plan(out) == [("r0", 40), ("r2", 30)]  # r1 (over 40) waits for r0; r2 goes past it
+    for _ in range(4):
+        run_step(s, out, done)
+        out = s.schedule()
+    assert plan(out) == [("r0", 40), ("r1", 40)]  # r0's last chunk: the next long one starts
+
+
+def test_long_prompts_beside_scarce_blocks_do_not_preempt_each_other():
+    """Several long prompts admitted together, a chunk each a step, ran out of blocks and
+    recomputed each other's work: 16 prompts of 300 tokens, blocks for 800 tokens."""
+    kv = PagedKVManager(200, 4)
+    s = Scheduler(kv, max_num_seqs=16, max_num_batched_tokens=100, long_prefill_tokens=25)
+    done: list[str] = []
+    for i in range(16):
+        s.add(group(f"r{i}", 300, float(i), max_tokens=8))
+    while s.has_unfinished():
+        run_step(s, s.schedule(), done)
+    assert len(done) == 16 and s.stats.num_recomputed_tokens == 0
 
 
 @settings(max_examples=150, deadline=None)
@@ -88,7 +107,8 @@ def test_any_workload_stays_within_its_limits_and_finishes(budget, cap_share, bl
                                                           reqs):
     """Generated workloads (arrival step, prompt, output length) on scarce or ample blocks and
     seats, recompute or swap: every step within the budget, every chunk within what is left of
-    its sequence and within the threshold, every request finished, every block free at the end."""
+    its sequence and within the threshold, a long prompt admitted only while no other is being
+    prefilled, every request finished, every block free at the end."""
     cap = max(1, int(budget * cap_share))
     kv = PagedKVManager(num_blocks, block_size, num_cpu_blocks=num_blocks if swap else 0)
     s = Scheduler(kv, max_num_seqs=seats, max_num_batched_tokens=budget, long_prefill_tokens=cap,
@@ -102,8 +122,12 @@ def test_any_workload_stays_within_its_limits_and_finishes(budget, cap_share, bl
                 s.add(group(f"r{i}", p, float(i), max_tokens=m))
         if step > last and not s.has_unfinished():
             break
+        waiting = {q.seq_id for q in s.waiting_sequences()}
+        longs_before = sum(q.num_tokens - q.num_computed_tokens > cap for q in s.running)
         out = s.schedule()
         assert out.num_batched_tokens <= budget
+        new_longs = sum(q.seq_id in waiting and q.num_tokens - q.num_computed_tokens > cap for q, _ in out.scheduled)
+        assert new_longs <= (0 if longs_before else 1)  # one long prompt prefilled at a time
         for seq, n in out.scheduled:
             assert 1 <= n <= min(cap, seq.num_tokens - seq.num_computed_tokens)
         kv.check_invariants(s.running + s.swapped + s.waiting_sequences())
