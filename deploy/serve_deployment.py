@@ -90,6 +90,33 @@ async def read_json(request: Request, limit: int):
     return body
 
 
+async def until_client_gone(request: Request, work):
+    """`work`'s result, unless the client disconnects first: then `work` is cancelled (its run
+    aborts its requests on the worker) and ClientGone is raised. A non-streaming answer, and a
+    stream's first event, come only after the prefill: nothing else would see the client leave
+    (a 7,000-token prompt ran to its end behind a closed connection)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(request.receive())  # the body is read: the next message is the end
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task not in done and watch.result().get("type") == "http.disconnect":
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise ClientGone()
+        return await task
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+
+
+class ClientGone(oai.HTTPError):
+    _folio_counted = True  # an abort (its run counted it), not an error
+
+    def __init__(self) -> None:
+        super().__init__(499, "the client closed the connection", "invalid_request_error", "client_closed_request")
+
+
 @serve.deployment(name="FolioFrontend", ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=100_000)
 @serve.ingress(api)
 class FolioFrontend:
@@ -130,7 +157,7 @@ class FolioFrontend:
         try:
             self._auth(request)
             body = await read_json(request, self.frontend.cfg.max_body_bytes)
-            result = await handler(self.frontend, body)
+            result = await until_client_gone(request, handler(self.frontend, body))
         except Exception as e:  # typed errors become their status; anything else a JSON 500
             if generation and (not isinstance(e, oai.HTTPError) or e.status != 401):
                 self.frontend.count_error(e)

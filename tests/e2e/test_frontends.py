@@ -140,6 +140,33 @@ def test_http_client_that_disconnects_aborts_its_request(server):
     assert generated_tokens(server) - generated < 200  # it stopped: it did not run to 230
 
 
+def test_http_client_that_disconnects_before_its_first_token_aborts_its_request(server):
+    """Non-streaming, the answer comes at the end; streaming, the first event only after the
+    prefill: a client gone before either is seen at once (serve_deployment.until_client_gone)."""
+    import http.client
+    import json
+
+    for stream in (False, True):
+        body = {"model": "tiny", "prompt": list(range(20, 40)), "max_tokens": 230, "temperature": 0,
+                "stream": stream, "ignore_eos": True}
+        wait_idle(server)
+        aborted, generated = metric(server, "folio_requests_total", finish_reason="abort"), generated_tokens(server)
+        errors = metric(server, "folio_requests_total", finish_reason="error")
+        host, port = server["http"].removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Authorization": f"Bearer {KEY}",
+                                                                     "Content-Type": "application/json"})
+        deadline = time.monotonic() + 10
+        while generated_tokens(server) == generated and time.monotonic() < deadline:
+            time.sleep(0.005)  # running: the worker has made its first token
+        conn.sock.close()
+        conn.close()
+        wait_idle(server)
+        assert metric(server, "folio_requests_total", finish_reason="abort") == aborted + 1, stream
+        assert metric(server, "folio_requests_total", finish_reason="error") == errors, stream
+        assert generated_tokens(server) - generated < 200, stream  # it stopped: it did not run to 230
+
+
 @pytest.mark.parametrize("kwargs, fragment", [
     (dict(prompt=""), "empty"),
     (dict(prompt="x " * 400), "max_model_len"),
