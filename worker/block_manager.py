@@ -31,7 +31,7 @@ class KVCacheManager(Protocol):
     prefix_queries: int  # blocks looked up in the prefix cache (0 without one)
     prefix_hits: int  # blocks found there
 
-    def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]: ...
+    def get_computed_blocks(self, seq: Sequence, count: bool = True) -> tuple[list[int], int]: ...
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, computed_blocks: list[int] = ...,
                        reserve: int = 0) -> bool: ...
     def free(self, seq: Sequence) -> None: ...
@@ -95,8 +95,10 @@ class PagedKVManager:
             return {}, False
         return self.pool.drain_events()
 
-    def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:
-        """Cached blocks holding a prefix of `seq` (no reference taken yet) and the tokens they cover.
+    def get_computed_blocks(self, seq: Sequence, count: bool = True) -> tuple[list[int], int]:
+        """Cached blocks holding a prefix of `seq` (no reference taken yet) and the tokens they cover;
+        `count=False`: a look that the prefix-cache hit rate does not count (the request is not
+        admitted by it).
 
         At least the last token is always left to compute: its logits are needed.
         """
@@ -116,8 +118,9 @@ class PagedKVManager:
             if b is None:
                 break
             hits.append(b)
-        self.prefix_queries += max_blocks
-        self.prefix_hits += len(hits)
+        if count:
+            self.prefix_queries += max_blocks
+            self.prefix_hits += len(hits)
         return hits, len(hits) * B
 
     def cache_blocks(self, seq: Sequence) -> None:

@@ -22,7 +22,7 @@ class ContiguousKVManager:
         self.gaps: list[tuple[int, int]] = [(0, num_blocks)]  # sorted (start, length)
         self._copies: list[tuple[int, int]] = []
 
-    def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:
+    def get_computed_blocks(self, seq: Sequence, count: bool = True) -> tuple[list[int], int]:
         return [], 0
 
     def cache_blocks(self, seq: Sequence) -> None:

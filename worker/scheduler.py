@@ -215,6 +215,10 @@ class Scheduler:
             return 0
         return sum(1 for q in self.running if q.num_tokens - q.num_computed_tokens > cap)
 
+    def _long_prefill(self, seq: Sequence, cap: int) -> bool:
+        """More than a chunk of `seq`'s prompt is not in the prefix cache."""
+        return seq.num_tokens - self.kv.get_computed_blocks(seq, count=False)[1] > cap
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
@@ -254,7 +258,7 @@ class Scheduler:
                 seq = self._peek_waiting()
                 if seq is None or (blocking is not None and seq.priority >= blocking):
                     break
-                if seq.num_tokens > cap and longs >= MAX_LONG_PREFILLS:
+                if seq.num_tokens > cap and longs >= MAX_LONG_PREFILLS and self._long_prefill(seq, cap):
                     held.append(heapq.heappop(self._waiting))  # waits for the long one; others go on
                     continue
                 group = seq.group

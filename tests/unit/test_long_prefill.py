@@ -86,6 +86,26 @@ def test_one_long_prompt_is_prefilled_at_a_time_and_shorter_ones_pass_the_others
     assert plan(out) == [("r0", 40), ("r1", 40)]  # r0's last chunk: the next long one starts
 
 
+def test_a_long_prompt_already_in_the_prefix_cache_is_not_held_back():
+    """Held back is what has more than a chunk left to prefill, not what is long: a 200-token
+    prompt served before comes back during another long prefill and is admitted at once; a look
+    at the cache for a request not admitted leaves the hit rate alone."""
+    kv = PagedKVManager(256, 4)
+    s = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100, long_prefill_tokens=40)
+    done: list[str] = []
+    s.add(group("first", 200, 5.0))
+    while s.has_unfinished():
+        run_step(s, s.schedule(), done)
+    s.add(group("long", 400, 0.0))
+    run_step(s, s.schedule(), done)
+    queries = kv.prefix_queries
+    s.add(group("again", 200, 5.0))  # the same tokens as "first"
+    s.add(group("new", 200, 6.0))
+    out = s.schedule()
+    assert [(r, n) for r, n in plan(out) if r != "long"] == [("again", 4)]  # "new" waits for "long"
+    assert kv.prefix_queries - queries == 199 // 4  # "again" counted once; "new" (held: looked at) not
+
+
 def test_long_prompts_beside_scarce_blocks_do_not_preempt_each_other():
     """Several long prompts admitted together, a chunk each a step, ran out of blocks and
     recomputed each other's work: 16 prompts of 300 tokens, blocks for 800 tokens."""
