@@ -23,13 +23,12 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from frontend_overhead import free_port, served_timings, step_ms  # noqa: E402
+from frontend_overhead import served_timings, start_one_worker, step_ms  # noqa: E402
 
 PROMPT = list(range(100, 116))
 VARIANTS = ("beside-idle-server", "all-stopped", "actors-stopped", "daemons-stopped", "served")
@@ -72,18 +71,8 @@ def main() -> int:
 
     inprocess()  # warm
     runs: dict[str, list[float]] = {"alone": [round(inprocess(), 2)]}
-    http, grpc_port = free_port(), free_port()
-    server = subprocess.Popen([sys.executable, "-m", "folio.deploy.cli", "serve", "--model", args.model,
-                               "--num-workers", "1", "--host", "127.0.0.1", "--http-port", str(http),
-                               "--grpc-port", str(grpc_port), "--block-size", "16", "--num-kv-blocks", "256",
-                               "--max-model-len", "1024", "--namespace", "bgcost", "--served-model-name", "m"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=dict(os.environ, RAY_AUTH_MODE="disabled"))
+    server, http, grpc_port = start_one_worker(args.model, "bgcost")
     try:
-        for line in server.stdout:
-            if "folio serve: ready" in line:
-                break
-        threading.Thread(target=lambda: [None for _ in server.stdout], daemon=True).start()
         import grpc
 
         from folio.v1 import generate_pb2 as pb

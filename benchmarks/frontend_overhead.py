@@ -65,6 +65,26 @@ def step_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, floa
     return doc
 
 
+def start_one_worker(model: str, namespace: str):
+    """`folio serve` with one worker of this benchmark's engine settings on free loopback ports,
+    once ready: (process, http port, grpc port); its output is drained from then on
+    (background_cost.py starts the same)."""
+    import threading
+
+    http, grpc_port = free_port(), free_port()
+    server = subprocess.Popen([sys.executable, "-m", "folio.deploy.cli", "serve", "--model", model,
+                               "--num-workers", "1", "--host", "127.0.0.1", "--http-port", str(http), "--grpc-port",
+                               str(grpc_port), "--block-size", "16", "--num-kv-blocks", "256", "--max-model-len",
+                               "1024", "--router", "least-loaded", "--namespace", namespace, "--served-model-name", "m"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=dict(os.environ, RAY_AUTH_MODE="disabled"))
+    for line in server.stdout:
+        if "folio serve: ready" in line:
+            break
+    threading.Thread(target=lambda: [None for _ in server.stdout], daemon=True).start()
+    return server, http, grpc_port
+
+
 def vllm_offline(model: str, n: int) -> list[float]:
     """In .venv-vllm: ms per one-token request through vLLM's offline `LLM`, after 5 warm-ups."""
     from vllm import LLM, SamplingParams
@@ -146,17 +166,8 @@ def main() -> None:
     alone_step = step_ms(vars(alone), vars(eng.timings))
     del llm, eng
 
-    http, grpc_port = free_port(), free_port()
-    server = subprocess.Popen([sys.executable, "-m", "folio.deploy.cli", "serve", "--model", args.model,
-                               "--num-workers", "1", "--host", "127.0.0.1", "--http-port", str(http), "--grpc-port",
-                               str(grpc_port), "--block-size", "16", "--num-kv-blocks", "256", "--max-model-len",
-                               "1024", "--router", "least-loaded", "--namespace", "overhead", "--served-model-name", "m"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=dict(os.environ, RAY_AUTH_MODE="disabled"))
+    server, http, grpc_port = start_one_worker(args.model, "overhead")
     try:
-        for line in server.stdout:
-            if "folio serve: ready" in line:
-                break
         import grpc
         import openai
 
