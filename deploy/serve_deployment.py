@@ -99,7 +99,7 @@ async def until_client_gone(request: Request, work):
     watch = asyncio.ensure_future(request.receive())  # the body is read: the next message is the end
     try:
         done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if task not in done and watch.result().get("type") == "http.disconnect":
+        if task not in done and _says_disconnect(watch):
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             raise ClientGone()
@@ -108,6 +108,15 @@ async def until_client_gone(request: Request, work):
         watch.cancel()
         if not task.done():
             task.cancel()
+
+
+def _says_disconnect(watch: asyncio.Future) -> bool:
+    """Whether the client's next ASGI message says it left (a receive that failed, as Serve's
+    proxy's can, or any other message says nothing: the work goes on)."""
+    if watch.cancelled() or watch.exception() is not None:
+        return False
+    msg = watch.result()
+    return isinstance(msg, dict) and msg.get("type") == "http.disconnect"
 
 
 class ClientGone(oai.HTTPError):
