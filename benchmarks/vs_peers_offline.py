@@ -4,6 +4,7 @@ machine, same tiny model, same threads, measured in alternation (A B C A B C ...
     python benchmarks/vs_peers_offline.py --model models/tiny-llama-8l [--rounds 2] [--setup-vllm]
     python benchmarks/vs_peers_offline.py --model path/to/SmolLM2-135M-Instruct.Q4_1.gguf --dtype bfloat16
     python benchmarks/vs_peers_offline.py --model ... --peers folio,folio-lanes2,vllm   (forward_lanes=2 as a peer)
+    python benchmarks/vs_peers_offline.py --model ... --peers folio,folio-linear-onednn,vllm   (a linear backend)
 
 A GGUF file is dequantized once, by transformers' own GGUF reader, into a float32 Hugging Face
 directory under models/ (vLLM's CPU build has no GGUF kernels), and every peer runs that
@@ -213,6 +214,9 @@ def child(args) -> None:
     fn = {"folio": run_folio, "vllm": run_vllm, "hf": run_hf}.get(args.role)
     if args.role.startswith("folio-lanes"):  # folio-lanesN: worker/forward_lanes.py with N lanes
         fn = functools.partial(run_folio, lanes=int(args.role[len("folio-lanes"):]))
+    if args.role.startswith("folio-linear-"):  # folio-linear-B: FOLIO_LINEAR_BACKEND=B (kernels/linear.py)
+        os.environ["FOLIO_LINEAR_BACKEND"] = args.role[len("folio-linear-"):]
+        fn = run_folio
     seconds, tokens = fn(args.model, reqs, args.kv_tokens, args.dtype)
     assert [len(t) for t in tokens] == [o for _, o in reqs], "every request must produce its output length"
     json.dump({"seconds": seconds, "tokens": tokens}, open(args.result, "w"))

@@ -1,9 +1,9 @@
 """The model's matrix products, y = x @ w.T + b, with the weight prepared once at load.
 
-    FOLIO_LINEAR_BACKEND=torch|onednn   overrides the choice
-    default                             onednn for float32, and for bfloat16 on a CPU with bf16
-                                        instructions, where torch has oneDNN; torch (F.linear)
-                                        everywhere else
+    FOLIO_LINEAR_BACKEND=torch|onednn|panels   overrides the choice
+    default   panels for float32 on a CPU with AVX-512 (Folio's own kernel, cpu_linear.cpp);
+              onednn for float32 elsewhere, and for bfloat16 on a CPU with bf16 instructions,
+              where torch has oneDNN; torch (F.linear) everywhere else
 
 Why oneDNN on CPU: torch's F.linear goes to MKL's sgemm, which repacks the weight
 on every call; at decode batch sizes (a few to a few hundred rows) that repacking
@@ -15,6 +15,13 @@ accumulation; they differ only in summation order (max |error| vs. float64 of
 the same order, ~1e-4 at |y| ~ 20), so greedy outputs stay those of transformers
 (tests/engine/test_parity_hf.py runs on this path; tests/engine/test_linear.py checks the
 backends against each other).
+
+float32 on AVX-512 (2026-12-05): the weight packed once into 48-column panels, each thread
+prefetching its next panel while it works through one (cpu_linear.cpp says why and how). At
+decode sizes oneDNN waited on the weight coming from memory: SmolLM2-135M's four layer linears,
+30 layers' own weights, on the 2-core Xeon with AMX (benchmarks/linear_panels.py), 64 rows
+oneDNN ~200 GFLOP/s against the panels' ~260, and level with it at 2,048 rows (~310). The sums
+run in another order again (one sequential FMA chain over k), with errors of the same size.
 
 bfloat16 (a CPU with avx512_bf16 or AMX): the same reordered weight. Measured on the 2-core
 Xeon here without AMX (avx512_bf16 only), SmolLM2-135M's decode shapes at 64 rows: 1.65-1.69
@@ -29,7 +36,13 @@ import os
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("torch", "onednn")
+BACKENDS = ("torch", "onednn", "panels")
+
+
+def panels_available() -> bool:
+    """Folio's float32 kernel is built for this CPU (the C++ library loads, with AVX-512)."""
+    from folio.kernels import cpu_ops
+    return cpu_ops.available() and bool(torch.ops.folio_cpu.linear_panels_available())
 
 
 def linear_backend(device: torch.device, dtype: torch.dtype) -> str:
@@ -41,25 +54,35 @@ def linear_backend(device: torch.device, dtype: torch.dtype) -> str:
     if name == "onednn" and not usable:
         raise ValueError("FOLIO_LINEAR_BACKEND=onednn needs float32 (or, on a CPU with bf16 instructions, "
                          "bfloat16) weights on a CPU with oneDNN")
-    return name or ("onednn" if usable else "torch")
+    panels = device.type == "cpu" and dtype == torch.float32 and name in ("", "panels") and panels_available()
+    if name == "panels" and not panels:
+        raise ValueError("FOLIO_LINEAR_BACKEND=panels needs float32 weights on a CPU with AVX-512 and a C++ compiler")
+    return name or ("panels" if panels else "onednn" if usable else "torch")
 
 
 class Linear:
-    """A frozen linear layer. The oneDNN path keeps only the reordered copy of the
-    weight (the plain one is dropped, so weights are not held twice)."""
+    """A frozen linear layer. The oneDNN and panels paths keep only their packed copy of
+    the weight (the plain one is dropped, so weights are not held twice)."""
+
+    _packed = None  # oneDNN's reordered weight
+    _panels = None  # cpu_linear.cpp's
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, backend: str) -> None:
         self.out_features = weight.shape[0]
         self.bias = bias
         self.backend = backend
+        self.weight = None
         if backend == "onednn":
-            self.weight = None
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        elif backend == "panels":
+            self._panels = torch.ops.folio_cpu.pack_linear_weight(weight)
+            self.bias = None if bias is None else bias.contiguous()
         else:
             self.weight = weight
-            self._packed = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._panels is not None:  # any row count: the kernel keeps no state per shape
+            return torch.ops.folio_cpu.linear_panels(x, self._panels, self.out_features, self.bias)
         if self._packed is None:
             return F.linear(x, self.weight, self.bias)
         rows = x.shape[0]

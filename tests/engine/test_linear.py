@@ -1,12 +1,15 @@
-"""The model's linear layers: the oneDNN path (CPU default) against F.linear."""
+"""The model's linear layers: Folio's float32 panels (the CPU default on AVX-512) and the
+oneDNN path against F.linear and float64."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from folio.kernels.linear import Linear, linear_backend
+from folio.kernels.linear import Linear, linear_backend, panels_available
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -46,26 +49,100 @@ def test_non_contiguous_input():
     torch.testing.assert_close(Linear(w, None, "onednn")(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
+needs_panels = pytest.mark.skipif(not panels_available(), reason="no AVX-512 or no C++ compiler here")
+
+
+def _within_float32_sum_error(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    """out is x @ w.T + b up to float32's error of a K-term sum (each partial sum rounded
+    once, |error| <= K * eps * sum |x_k w_k|, plus the bias's rounding), against float64."""
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    bound = (x.shape[1] + 2) * 2.0 ** -24 * (F.linear(x.double().abs(), w.double().abs())
+                                            + (0 if b is None else b.double().abs()))
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    excess = (out.double() - ref).abs() - bound
+    if excess.numel():
+        assert excess.max().item() <= 0, f"past the bound by {excess.max().item():.3g}"
+
+
+@needs_panels
+@settings(max_examples=120, deadline=None, derandomize=True)
+@given(rows=st.integers(0, 300), out_features=st.integers(1, 200), in_features=st.integers(1, 160),
+       bias=st.booleans(), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2 ** 16))
+def test_panels_match_float64(rows, out_features, in_features, bias, threads, seed):
+    """Every row count (the 8-row blocks and their tails, the 128-row blocks), every output
+    width (the 48-column panels and a last one cut short), odd and even K (the k pairs and
+    the one left), one thread or two (each prefetching the next panel of its range)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g) if bias else None
+    x = torch.randn(rows, in_features, generator=g) * 4
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        lin = Linear(w, b, "panels")
+        out = lin(x)
+    finally:
+        torch.set_num_threads(before)
+    assert lin.weight is None, "the panels path must not keep a second copy of the weight"
+    _within_float32_sum_error(out, x, w, b)
+
+
+@needs_panels
+@pytest.mark.parametrize("rows", [1, 64, 2048])
+def test_panels_at_a_models_shapes(rows):
+    """SmolLM2-135M's gate-up and down shapes at decode and prefill sizes: many panels a
+    thread, several row blocks, K past the L1 cache."""
+    g = torch.Generator().manual_seed(rows)
+    for n, k in ((3072, 576), (576, 1536)):
+        w, x = torch.randn(n, k, generator=g) * 0.05, torch.randn(rows, k, generator=g)
+        _within_float32_sum_error(Linear(w, None, "panels")(x), x, w, None)
+
+
+@needs_panels
+def test_panels_take_a_non_contiguous_input_and_refuse_bad_ones():
+    w, b = torch.randn(50, 16), torch.randn(50)
+    lin = Linear(w, b, "panels")
+    x = torch.randn(5, 48)[:, 8:24]
+    assert not x.is_contiguous()
+    _within_float32_sum_error(lin(x), x, w, b)
+    with pytest.raises(RuntimeError, match="float32"):
+        lin(x.bfloat16())
+    with pytest.raises(RuntimeError, match=r"\[rows, 16\]"):
+        lin(torch.randn(3, 17))
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.folio_cpu.pack_linear_weight(w.double())
+    with pytest.raises(RuntimeError, match="bias"):
+        torch.ops.folio_cpu.linear_panels(x, lin._panels, 50, torch.randn(49))
+    with pytest.raises(RuntimeError, match="panels"):
+        torch.ops.folio_cpu.linear_panels(x, lin._panels, 200, None)
+
+
 def test_backend_choice(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.delenv("FOLIO_LINEAR_BACKEND", raising=False)
-    assert linear_backend(cpu, torch.float32) == "onednn"
+    assert linear_backend(cpu, torch.float32) == ("panels" if panels_available() else "onednn")
     assert linear_backend(cpu, torch.bfloat16) == ("onednn" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "torch")
     assert linear_backend(cpu, torch.float16) == "torch"
     assert linear_backend(torch.device("cuda"), torch.float32) == "torch"
     monkeypatch.setenv("FOLIO_LINEAR_BACKEND", "torch")
     assert linear_backend(cpu, torch.float32) == "torch"
     monkeypatch.setenv("FOLIO_LINEAR_BACKEND", "onednn")
+    assert linear_backend(cpu, torch.float32) == "onednn"
     with pytest.raises(ValueError, match="float32"):
         linear_backend(cpu, torch.float16)
+    monkeypatch.setenv("FOLIO_LINEAR_BACKEND", "panels")
+    for dtype in (torch.bfloat16, torch.float16):
+        with pytest.raises(ValueError, match="float32"):
+            linear_backend(cpu, dtype)
     monkeypatch.setenv("FOLIO_LINEAR_BACKEND", "mkl")
     with pytest.raises(ValueError, match="FOLIO_LINEAR_BACKEND"):
         linear_backend(cpu, torch.float32)
 
 
-def test_engine_uses_onednn_on_cpu(model_dirs, monkeypatch):
+def test_engine_uses_the_default_backend_on_cpu(model_dirs, monkeypatch):
     from folio.worker import LLM
     monkeypatch.delenv("FOLIO_LINEAR_BACKEND", raising=False)
     llm = LLM(model_dirs["llama"], block_size=8, num_kv_blocks=64)
-    assert {layer.qkv.backend for layer in llm.engine.runner.model.layers} == {"onednn"}
-    assert llm.engine.runner.model.lm_head.backend == "onednn"
+    want = "panels" if panels_available() else "onednn"
+    assert {layer.qkv.backend for layer in llm.engine.runner.model.layers} == {want}
+    assert llm.engine.runner.model.lm_head.backend == want
