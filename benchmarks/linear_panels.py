@@ -1,7 +1,9 @@
-"""float32 linear layers: Folio's panels (kernels/cpu_linear.cpp) against oneDNN's reordered
-weight and MKL's F.linear, at decode and prefill row counts, on a model's shapes.
+"""Linear layers: Folio's panels (kernels/cpu_linear.cpp for float32, cpu_linear_amx.cpp's AMX
+tiles for bfloat16) against oneDNN's reordered weight and torch's F.linear, at decode and
+prefill row counts, on a model's shapes.
 
     python benchmarks/linear_panels.py [--model models/SmolLM2-135M-Instruct.Q4_1-f32] [--rows 1,16,64,256,2048]
+                                       [--dtype float32|bfloat16]
 
 Each "step" runs every layer's four linears (qkv, o, gate-up, down) on that layer's own
 weights, as a forward does, so the weights come from memory the way they do in the engine
@@ -53,24 +55,28 @@ def main() -> None:
     ap.add_argument("--rows", default="1,16,64,128,256,2048")
     ap.add_argument("--layers", type=int, default=0, help="default: the model's")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--out", default=os.path.join(HERE, "results", "linear_panels.json"))
     args = ap.parse_args()
-    if not panels_available():
-        raise SystemExit("the panels kernel needs a CPU with AVX-512 and a C++ compiler")
+    dtype = getattr(torch, args.dtype)
+    if not panels_available(dtype):
+        raise SystemExit(f"no panels kernel for {args.dtype} here (AVX-512 for float32, AMX for bfloat16, and a C++ "
+                         "compiler)")
     torch.set_num_threads(2)
     cfg = ModelConfig.from_dir(args.model)
     layers = args.layers or cfg.num_layers
     g = torch.Generator().manual_seed(0)
-    plain = [[torch.randn(o, i, generator=g) * 0.02 for o, i in shapes(cfg)] for _ in range(layers)]
-    head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) * 0.02
+    plain = [[(torch.randn(o, i, generator=g) * 0.02).to(dtype) for o, i in shapes(cfg)] for _ in range(layers)]
+    head = (torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) * 0.02).to(dtype)
     made = {b: ([[Linear(w, None, b) for w in ws] for ws in plain], Linear(head, None, b)) for b in BACKENDS}
     doc = {"benchmark": "linear_panels", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": args.model,
+           "dtype": args.dtype,
            "command": " ".join(["python"] + sys.argv), "threads": 2, "layers": layers,
            "shapes": shapes(cfg), "lm_head": [cfg.vocab_size, cfg.hidden_size], "rows": {}}
     with torch.inference_mode():
         for rows in map(int, args.rows.split(",")):
-            xs = {i: torch.randn(rows, i, generator=g) for _, i in shapes(cfg)}
-            xh = torch.randn(rows, cfg.hidden_size, generator=g)
+            xs = {i: torch.randn(rows, i, generator=g).to(dtype) for _, i in shapes(cfg)}
+            xh = torch.randn(rows, cfg.hidden_size, generator=g).to(dtype)
             got: dict[str, dict[str, list[float]]] = {b: {"layers": [], "lm_head": []} for b in BACKENDS}
             for r in range(args.rounds):
                 for b in (BACKENDS if r % 2 == 0 else BACKENDS[::-1]):
@@ -84,7 +90,8 @@ def main() -> None:
                     got[b]["layers"].append(round(timed(step, layer_flops), 1))
                     got[b]["lm_head"].append(round(timed(lambda lm=lm: lm(xh), 2 * rows * head.numel()), 1))
             check = made["panels"][1](xh[:4])
-            torch.testing.assert_close(check, F.linear(xh[:4], head), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(check.float(), F.linear(xh[:4].float(), head.float()),
+                                       **({"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}))
             doc["rows"][rows] = {b: {k: {"gflops": v, "median": statistics.median(v)} for k, v in parts.items()}
                                  for b, parts in got.items()}
             print(rows, {b: {k: v["median"] for k, v in parts.items()} for b, parts in doc["rows"][rows].items()},

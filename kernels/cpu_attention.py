@@ -35,10 +35,10 @@ from folio.kernels.errors import KernelInputError
 log = logging.getLogger("folio.kernels")
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_attention.cpp")
 # the library's sources: the attention (decode, prefill), the small fused ops of cpu_ops.py and the
-# float32 linear layers of linear.py
+# linear layers of linear.py (float32 on AVX-512, bfloat16 on AMX)
 # (one .so, one load)
 SOURCES = (SOURCE, *(os.path.join(os.path.dirname(SOURCE), name)
-                     for name in ("cpu_prefill.cpp", "cpu_ops.cpp", "cpu_linear.cpp")))
+                     for name in ("cpu_prefill.cpp", "cpu_ops.cpp", "cpu_linear.cpp", "cpu_linear_amx.cpp")))
 HEADERS = (os.path.join(os.path.dirname(SOURCE), "cpu_simd.h"),)  # in the cache key with the sources
 # -ffast-math when compiling only (it lets expf vectorize through glibc's libmvec): linked
 # with it, gcc adds crtfastmath.o, whose constructor turns on flush-to-zero for the whole

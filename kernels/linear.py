@@ -1,9 +1,11 @@
 """The model's matrix products, y = x @ w.T + b, with the weight prepared once at load.
 
     FOLIO_LINEAR_BACKEND=torch|onednn|panels   overrides the choice
-    default   panels for float32 on a CPU with AVX-512 (Folio's own kernel, cpu_linear.cpp);
+    default   panels (Folio's own kernel, cpu_linear.cpp) for float32 on a CPU with AVX-512;
               onednn for float32 elsewhere, and for bfloat16 on a CPU with bf16 instructions,
-              where torch has oneDNN; torch (F.linear) everywhere else
+              where torch has oneDNN; torch (F.linear) everywhere else. `panels` with bfloat16
+              weights on a CPU with AMX takes cpu_linear_amx.cpp's tiles (an experiment, off
+              by default: see below)
 
 Why oneDNN on CPU: torch's F.linear goes to MKL's sgemm, which repacks the weight
 on every call; at decode batch sizes (a few to a few hundred rows) that repacking
@@ -23,7 +25,14 @@ decode sizes oneDNN waited on the weight coming from memory: SmolLM2-135M's four
 oneDNN ~200 GFLOP/s against the panels' ~260, and level with it at 2,048 rows (~310). The sums
 run in another order again (one sequential FMA chain over k), with errors of the same size.
 
-bfloat16 (a CPU with avx512_bf16 or AMX): the same reordered weight. Measured on the 2-core
+bfloat16 on AMX, the tiles (2026-12-05, opt-in): the weight packed once into 16-column panels
+in AMX's pair layout, 2 x 2 tiles (32 rows x 32 columns) at a time, the pair of panels two
+ahead prefetched (cpu_linear_amx.cpp). SmolLM2's layer linears, each layer its own weights
+(benchmarks/linear_panels.py --dtype bfloat16): ~1,000 against oneDNN's ~800 GFLOP/s at 64
+rows, but ~1,770 against ~2,500 at 2,048 rows and behind on the LM head from 64 rows, so a
+prefill pays more than decode saves: not the default. float32 sums, one rounding to bf16.
+
+bfloat16 (a CPU with avx512_bf16 or AMX): oneDNN's reordered weight. Measured on the 2-core
 Xeon here without AMX (avx512_bf16 only), SmolLM2-135M's decode shapes at 64 rows: 1.65-1.69
 against 1.84-2.12 ms (576 x 3072), 0.93-0.97 against 1.03-1.20 ms (1536 x 576), 27.6-28.7
 against 31.8-32.1 ms (the 49,152-row lm_head), with outputs bit-identical to F.linear's.
@@ -39,10 +48,14 @@ import torch.nn.functional as F
 BACKENDS = ("torch", "onednn", "panels")
 
 
-def panels_available() -> bool:
-    """Folio's float32 kernel is built for this CPU (the C++ library loads, with AVX-512)."""
+def panels_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Folio's kernel for `dtype` is built for this CPU: the C++ library loads, with AVX-512
+    (float32) or AMX (bfloat16, its tile state granted to this process)."""
     from folio.kernels import cpu_ops
-    return cpu_ops.available() and bool(torch.ops.folio_cpu.linear_panels_available())
+    if dtype not in (torch.float32, torch.bfloat16) or not cpu_ops.available():
+        return False
+    ops = torch.ops.folio_cpu
+    return bool(ops.linear_panels_available() if dtype == torch.float32 else ops.linear_tiles_available())
 
 
 def linear_backend(device: torch.device, dtype: torch.dtype) -> str:
@@ -54,9 +67,11 @@ def linear_backend(device: torch.device, dtype: torch.dtype) -> str:
     if name == "onednn" and not usable:
         raise ValueError("FOLIO_LINEAR_BACKEND=onednn needs float32 (or, on a CPU with bf16 instructions, "
                          "bfloat16) weights on a CPU with oneDNN")
-    panels = device.type == "cpu" and dtype == torch.float32 and name in ("", "panels") and panels_available()
+    panels = device.type == "cpu" and (name == "panels" or (not name and dtype == torch.float32)) and panels_available(
+        dtype)
     if name == "panels" and not panels:
-        raise ValueError("FOLIO_LINEAR_BACKEND=panels needs float32 weights on a CPU with AVX-512 and a C++ compiler")
+        raise ValueError("FOLIO_LINEAR_BACKEND=panels needs float32 weights on a CPU with AVX-512, or bfloat16 "
+                         "on one with AMX, and a C++ compiler")
     return name or ("panels" if panels else "onednn" if usable else "torch")
 
 
@@ -75,14 +90,17 @@ class Linear:
         if backend == "onednn":
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         elif backend == "panels":
-            self._panels = torch.ops.folio_cpu.pack_linear_weight(weight)
+            tiles = weight.dtype == torch.bfloat16
+            self._panels = (torch.ops.folio_cpu.pack_linear_tiles if tiles else torch.ops.folio_cpu.pack_linear_weight)(
+                weight)
+            self._run = torch.ops.folio_cpu.linear_tiles if tiles else torch.ops.folio_cpu.linear_panels
             self.bias = None if bias is None else bias.contiguous()
         else:
             self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._panels is not None:  # any row count: the kernel keeps no state per shape
-            return torch.ops.folio_cpu.linear_panels(x, self._panels, self.out_features, self.bias)
+            return self._run(x, self._panels, self.out_features, self.bias)
         if self._packed is None:
             return F.linear(x, self.weight, self.bias)
         rows = x.shape[0]

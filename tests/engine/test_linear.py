@@ -117,6 +117,36 @@ def test_panels_take_a_non_contiguous_input_and_refuse_bad_ones():
         torch.ops.folio_cpu.linear_panels(x, lin._panels, 200, None)
 
 
+needs_tiles = pytest.mark.skipif(not panels_available(torch.bfloat16), reason="no AMX here")
+
+
+@needs_tiles
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(rows=st.integers(0, 100), out_features=st.integers(1, 100), in_features=st.integers(1, 100),
+       bias=st.booleans(), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2 ** 16))
+def test_amx_tiles_match_float64(rows, out_features, in_features, bias, threads, seed):
+    """The opt-in bfloat16 tiles: every row count (32-row blocks read in place, the rest from
+    a padded copy), widths past and short of a pair of 16-column panels, K short of a 32-step;
+    float32 sums rounded once to bf16 (half a bf16 step of the result, plus float32's sum error)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    b = torch.randn(out_features, generator=g).bfloat16() if bias else None
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = Linear(w, b, "panels")(x)
+    finally:
+        torch.set_num_threads(before)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    bound = 2.0 ** -8 * ref.abs() + (in_features + 2) * 2.0 ** -23 * (
+        F.linear(x.double().abs(), w.double().abs()) + (0 if b is None else b.double().abs()))
+    excess = (out.double() - ref).abs() - bound
+    if excess.numel():
+        assert excess.max().item() <= 0, f"past the bound by {excess.max().item():.3g}"
+
+
 def test_backend_choice(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.delenv("FOLIO_LINEAR_BACKEND", raising=False)
@@ -131,9 +161,13 @@ def test_backend_choice(monkeypatch):
     with pytest.raises(ValueError, match="float32"):
         linear_backend(cpu, torch.float16)
     monkeypatch.setenv("FOLIO_LINEAR_BACKEND", "panels")
-    for dtype in (torch.bfloat16, torch.float16):
-        with pytest.raises(ValueError, match="float32"):
-            linear_backend(cpu, dtype)
+    with pytest.raises(ValueError, match="float32"):
+        linear_backend(cpu, torch.float16)
+    if panels_available(torch.bfloat16):  # the tiles: only when asked for
+        assert linear_backend(cpu, torch.bfloat16) == "panels"
+    else:
+        with pytest.raises(ValueError, match="AMX"):
+            linear_backend(cpu, torch.bfloat16)
     monkeypatch.setenv("FOLIO_LINEAR_BACKEND", "mkl")
     with pytest.raises(ValueError, match="FOLIO_LINEAR_BACKEND"):
         linear_backend(cpu, torch.float32)
