@@ -331,6 +331,17 @@ void decode_seq_f32(const float* qrow, int64_t qh, float* orow, int64_t oh, cons
 }
 #endif
 
+// f(std::integral_constant<int, G>) for a group size of 1..4 (4 for anything larger)
+template <typename F>
+void with_group(int64_t G, F&& f) {
+  switch (G) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    default: return f(std::integral_constant<int, 4>{});
+  }
+}
+
 // DC: the head dim when known at compile time (64, 128: fixed trip counts, no remainder
 // loops), 0 for any other (the run-time head dim).
 template <typename T, int DC>
@@ -377,36 +388,34 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       budget -= 2 * bytes;
     }
   };
+  // the specialised kernels' walk: each sequence's K/V rows by position, the next sequence pumped
+  auto by_rows = [&](int64_t begin, int64_t end, auto&& seq) {
+    std::vector<const T*> kr, vr;
+    Pump pump;
+    for (int64_t s = begin; s < end; ++s) {
+      const int64_t L = sl[s];
+      const int32_t* tab = bt + s * bts;
+      kr.resize(L), vr.resize(L);
+      for (int64_t p = 0; p < L; ++p) {
+        const int64_t b = tab[p / bs], t = p % bs;
+        kr[p] = kp + b * kb + t * kt;
+        vr[p] = vp + b * vb + t * vt;
+      }
+      next_into(pump, s + 1, end);
+      seq(qp + rw[s] * qs, op + rw[s] * os, kr.data(), vr.data(), L, pump);
+    }
+  };
   at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
 #ifdef FOLIO_BF16_DOT
     if constexpr (std::is_same_v<T, c10::BFloat16> && (DC == 64 || DC == 128)) {
       if (G >= 1 && G <= 4) {
         std::vector<float> sbuf;
         std::vector<uint16_t> wbuf;
-        std::vector<const T*> kr, vr;
-        Pump pump;
-        for (int64_t s = begin; s < end; ++s) {
-          const int64_t L = sl[s], r = rw[s];
-          const int32_t* tab = bt + s * bts;
-          kr.resize(L), vr.resize(L);
-          for (int64_t p = 0; p < L; ++p) {
-            const int64_t b = tab[p / bs], t = p % bs;
-            kr[p] = kp + b * kb + t * kt;
-            vr[p] = vp + b * vb + t * vt;
-          }
-          next_into(pump, s + 1, end);
-          const T* qrow = qp + r * qs;
-          T* orow = op + r * os;
-#define FOLIO_G(GG) decode_seq_bf16<DC, GG>(qrow, qh, orow, oh, kr.data(), vr.data(), L, KVH, kh, vh, sc, sbuf, wbuf, pump)
-          switch (G) {
-            case 1: FOLIO_G(1); break;
-            case 2: FOLIO_G(2); break;
-            case 3: FOLIO_G(3); break;
-            default: FOLIO_G(4); break;
-          }
-#undef FOLIO_G
-        }
-        return;
+        return with_group(G, [&](auto g) {
+          by_rows(begin, end, [&](const T* q, T* o, const T* const* kr, const T* const* vr, int64_t L, Pump& pump) {
+            decode_seq_bf16<DC, decltype(g)::value>(q, qh, o, oh, kr, vr, L, KVH, kh, vh, sc, sbuf, wbuf, pump);
+          });
+        });
       }
     }
 #endif
@@ -414,28 +423,11 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
     if constexpr (std::is_same_v<T, float> && (DC == 64 || DC == 128)) {
       if (G >= 1 && G <= 4) {
         std::vector<float> sbuf;
-        std::vector<const float*> kr, vr;
-        Pump pump;
-        for (int64_t s = begin; s < end; ++s) {
-          const int64_t L = sl[s], r = rw[s];
-          const int32_t* tab = bt + s * bts;
-          kr.resize(L), vr.resize(L);
-          for (int64_t p = 0; p < L; ++p) {
-            const int64_t b = tab[p / bs], t = p % bs;
-            kr[p] = kp + b * kb + t * kt;
-            vr[p] = vp + b * vb + t * vt;
-          }
-          next_into(pump, s + 1, end);
-#define FOLIO_G(GG) decode_seq_f32<DC, GG>(qp + r * qs, qh, op + r * os, oh, kr.data(), vr.data(), L, KVH, kh, vh, sc, sbuf, pump)
-          switch (G) {
-            case 1: FOLIO_G(1); break;
-            case 2: FOLIO_G(2); break;
-            case 3: FOLIO_G(3); break;
-            default: FOLIO_G(4); break;
-          }
-#undef FOLIO_G
-        }
-        return;
+        return with_group(G, [&](auto g) {
+          by_rows(begin, end, [&](const T* q, T* o, const T* const* kr, const T* const* vr, int64_t L, Pump& pump) {
+            decode_seq_f32<DC, decltype(g)::value>(q, qh, o, oh, kr, vr, L, KVH, kh, vh, sc, sbuf, pump);
+          });
+        });
       }
     }
 #endif
