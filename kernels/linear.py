@@ -80,7 +80,7 @@ class Linear:
     the weight (the plain one is dropped, so weights are not held twice)."""
 
     _packed = None  # oneDNN's reordered weight
-    _panels = None  # cpu_linear.cpp's
+    _panels = None  # cpu_linear.cpp's panels, or cpu_linear_amx.cpp's tiles (bfloat16)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, backend: str) -> None:
         self.out_features = weight.shape[0]
