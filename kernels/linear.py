@@ -1,11 +1,10 @@
 """The model's matrix products, y = x @ w.T + b, with the weight prepared once at load.
 
     FOLIO_LINEAR_BACKEND=torch|onednn|panels   overrides the choice
-    default   panels (Folio's own kernel, cpu_linear.cpp) for float32 on a CPU with AVX-512;
-              onednn for float32 elsewhere, and for bfloat16 on a CPU with bf16 instructions,
-              where torch has oneDNN; torch (F.linear) everywhere else. `panels` with bfloat16
-              weights on a CPU with AMX takes cpu_linear_amx.cpp's tiles (an experiment, off
-              by default: see below)
+    default   panels (Folio's own kernels): cpu_linear.cpp for float32 on a CPU with AVX-512,
+              cpu_linear_amx.cpp's tiles for bfloat16 on a CPU with AMX; onednn elsewhere for
+              float32, and for bfloat16 on a CPU with bf16 instructions, where torch has
+              oneDNN; torch (F.linear) everywhere else
 
 Why oneDNN on CPU: torch's F.linear goes to MKL's sgemm, which repacks the weight
 on every call; at decode batch sizes (a few to a few hundred rows) that repacking
@@ -25,12 +24,14 @@ decode sizes oneDNN waited on the weight coming from memory: SmolLM2-135M's four
 oneDNN ~200 GFLOP/s against the panels' ~260, and level with it at 2,048 rows (~310). The sums
 run in another order again (one sequential FMA chain over k), with errors of the same size.
 
-bfloat16 on AMX, the tiles (2026-12-05, opt-in): the weight packed once into 16-column panels
-in AMX's pair layout, 2 x 2 tiles (32 rows x 32 columns) at a time, the pair of panels two
-ahead prefetched (cpu_linear_amx.cpp). SmolLM2's layer linears, each layer its own weights
-(benchmarks/linear_panels.py --dtype bfloat16): ~1,000 against oneDNN's ~800 GFLOP/s at 64
-rows, but ~1,770 against ~2,500 at 2,048 rows and behind on the LM head from 64 rows, so a
-prefill pays more than decode saves: not the default. float32 sums, one rounding to bf16.
+bfloat16 on AMX, the tiles (default since 2026-12-06): the weight packed once into 16-column
+panels in AMX's pair layout, 2 x 2 tiles (32 rows x 32 columns) at a time, the pair of panels
+two ahead prefetched, each block's conversion to bf16 done while the next block's tiles compute,
+and past 64 rows a thread's panels taken in L2-sized chunks (cpu_linear_amx.cpp). SmolLM2's
+layer linears, each layer its own weights (benchmarks/linear_panels.py --dtype bfloat16), against
+oneDNN: ~1,150 / ~800 GFLOP/s at 64 rows, ~1,900 / ~1,800 at 256, ~2,260 / ~2,480 at 2,048;
+the LM head level or ahead but at 96-128 rows (~1,900 / ~2,050). float32 sums, one rounding to
+bf16, in another order than oneDNN's (greedy paths part where they part from oneDNN's too).
 
 bfloat16 (a CPU with avx512_bf16 or AMX): oneDNN's reordered weight. Measured on the 2-core
 Xeon here without AMX (avx512_bf16 only), SmolLM2-135M's decode shapes at 64 rows: 1.65-1.69
@@ -67,8 +68,7 @@ def linear_backend(device: torch.device, dtype: torch.dtype) -> str:
     if name == "onednn" and not usable:
         raise ValueError("FOLIO_LINEAR_BACKEND=onednn needs float32 (or, on a CPU with bf16 instructions, "
                          "bfloat16) weights on a CPU with oneDNN")
-    panels = device.type == "cpu" and (name == "panels" or (not name and dtype == torch.float32)) and panels_available(
-        dtype)
+    panels = device.type == "cpu" and (name == "panels" or not name) and panels_available(dtype)
     if name == "panels" and not panels:
         raise ValueError("FOLIO_LINEAR_BACKEND=panels needs float32 weights on a CPU with AVX-512, or bfloat16 "
                          "on one with AMX, and a C++ compiler")

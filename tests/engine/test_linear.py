@@ -125,7 +125,7 @@ needs_tiles = pytest.mark.skipif(not panels_available(torch.bfloat16), reason="n
 @given(rows=st.integers(0, 100), out_features=st.integers(1, 100), in_features=st.integers(1, 100),
        bias=st.booleans(), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2 ** 16))
 def test_amx_tiles_match_float64(rows, out_features, in_features, bias, threads, seed):
-    """The opt-in bfloat16 tiles: every row count (32-row blocks read in place, the rest from
+    """The bfloat16 tiles: every row count (32-row blocks read in place, the rest from
     a padded copy), widths past and short of a pair of 16-column panels, K short of a 32-step;
     float32 sums rounded once to bf16 (half a bf16 step of the result, plus float32's sum error)."""
     g = torch.Generator().manual_seed(seed)
@@ -147,11 +147,31 @@ def test_amx_tiles_match_float64(rows, out_features, in_features, bias, threads,
         assert excess.max().item() <= 0, f"past the bound by {excess.max().item():.3g}"
 
 
+@needs_tiles
+@settings(max_examples=8, deadline=None, derandomize=True)
+@given(rows=st.integers(65, 300), out_features=st.integers(900, 2300), in_features=st.integers(300, 700),
+       seed=st.integers(0, 2 ** 16))
+def test_amx_tiles_in_chunks_match_float64(rows, out_features, in_features, seed):
+    """Past 64 rows the tiles walk a thread's panels in chunks that stay in L2 (1 MiB: ~29 pairs
+    of panels at K = 576) while 64 rows at a time pass over them: widths of one to three chunks a
+    thread, row counts that end inside a 64-row block and inside a 32-row one."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=g).bfloat16()
+    b = torch.randn(out_features, generator=g).bfloat16()
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    out = Linear(w, b, "panels")(x)
+    ref = F.linear(x.double(), w.double(), b.double())
+    bound = 2.0 ** -8 * ref.abs() + (in_features + 2) * 2.0 ** -23 * (
+        F.linear(x.double().abs(), w.double().abs()) + b.double().abs())
+    assert ((out.double() - ref).abs() - bound).max().item() <= 0
+
+
 def test_backend_choice(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.delenv("FOLIO_LINEAR_BACKEND", raising=False)
     assert linear_backend(cpu, torch.float32) == ("panels" if panels_available() else "onednn")
-    assert linear_backend(cpu, torch.bfloat16) == ("onednn" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "torch")
+    assert linear_backend(cpu, torch.bfloat16) == ("panels" if panels_available(torch.bfloat16) else "onednn"
+                                                   if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "torch")
     assert linear_backend(cpu, torch.float16) == "torch"
     assert linear_backend(torch.device("cuda"), torch.float32) == "torch"
     monkeypatch.setenv("FOLIO_LINEAR_BACKEND", "torch")
@@ -163,7 +183,7 @@ def test_backend_choice(monkeypatch):
     monkeypatch.setenv("FOLIO_LINEAR_BACKEND", "panels")
     with pytest.raises(ValueError, match="float32"):
         linear_backend(cpu, torch.float16)
-    if panels_available(torch.bfloat16):  # the tiles: only when asked for
+    if panels_available(torch.bfloat16):  # the tiles
         assert linear_backend(cpu, torch.bfloat16) == "panels"
     else:
         with pytest.raises(ValueError, match="AMX"):
