@@ -51,6 +51,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=128, help="prompt tokens per request")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--prefill", action="store_true", help="profile one prefill step instead of decode steps")
     ap.add_argument("--rows", type=int, default=16, help="rows of the profiler's table")
     ap.add_argument("--ab-small-ops", action="store_true", help="time fused vs reference small ops, alternated")
@@ -65,7 +66,8 @@ def main() -> None:
 
     ab = args.ab_small_ops or args.ab_huge_pages
     per_seq = args.context + 3 * args.steps + 32 + (4 * args.rounds * (args.steps + 1) if ab else 0)
-    llm = LLM(args.model, dtype=args.dtype, block_size=16, num_kv_blocks=args.batch * per_seq // 16 + 64,
+    bs = args.block_size
+    llm = LLM(args.model, dtype=args.dtype, block_size=bs, num_kv_blocks=args.batch * per_seq // bs + 64,
               max_model_len=2048, max_num_seqs=256, enable_prefix_caching=False)
     eng = llm.engine
     add_random_requests(eng, args.batch, args.context, 3 * args.steps + 8

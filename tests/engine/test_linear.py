@@ -117,6 +117,21 @@ def test_panels_take_a_non_contiguous_input_and_refuse_bad_ones():
         torch.ops.folio_cpu.linear_panels(x, lin._panels, 200, None)
 
 
+@needs_panels
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(rows=st.integers(513, 700), out_features=st.integers(500, 1400), in_features=st.integers(300, 700),
+       seed=st.integers(0, 2 ** 16))
+def test_panels_in_chunks_match_float64(rows, out_features, in_features, seed):
+    """Past 512 rows the float32 panels go in chunks of 1 MiB a thread (~9 panels of 48 columns at
+    K = 576) with every row passing over each chunk, 8 at a time: widths of one to three chunks
+    a thread, row counts that end inside an 8-row block."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g)
+    x = torch.randn(rows, in_features, generator=g)
+    _within_float32_sum_error(Linear(w, b, "panels")(x), x, w, b)
+
+
 needs_tiles = pytest.mark.skipif(not panels_available(torch.bfloat16), reason="no AMX here")
 
 
