@@ -17,8 +17,6 @@
 // of its accumulators stay in registers, and the next sequence's K/V prefetched while this one
 // is computed (that order would otherwise wait on memory at each block: they sit at random).
 #include <ATen/Parallel.h>
-
-#include "cpu_pool.h"
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -407,7 +405,7 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
       seq(qp + rw[s] * qs, op + rw[s] * os, kr.data(), vr.data(), L, pump);
     }
   };
-  folio_pool::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
 #ifdef FOLIO_BF16_DOT
     if constexpr (std::is_same_v<T, c10::BFloat16> && (DC == 64 || DC == 128)) {
       if (G >= 1 && G <= 4) {

@@ -39,7 +39,7 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_attention
 # (one .so, one load)
 SOURCES = (SOURCE, *(os.path.join(os.path.dirname(SOURCE), name)
                      for name in ("cpu_prefill.cpp", "cpu_ops.cpp", "cpu_linear.cpp", "cpu_linear_amx.cpp")))
-HEADERS = tuple(os.path.join(os.path.dirname(SOURCE), h) for h in ("cpu_simd.h", "cpu_pool.h"))  # in the cache key with the sources
+HEADERS = (os.path.join(os.path.dirname(SOURCE), "cpu_simd.h"),)  # in the cache key with the sources
 # -ffast-math when compiling only (it lets expf vectorize through glibc's libmvec): linked
 # with it, gcc adds crtfastmath.o, whose constructor turns on flush-to-zero for the whole
 # process when the library loads, and every torch op would lose subnormals.

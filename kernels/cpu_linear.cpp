@@ -19,8 +19,6 @@
 // L2 across the panels (up to 512 rows; past that, see CHUNKED_ROWS). Each output is one sequential float32 sum over k in FMA (the bias added
 // last), where oneDNN and MKL split their sums otherwise: the results differ in the last bits.
 #include <ATen/Parallel.h>
-
-#include "cpu_pool.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -58,7 +56,7 @@ at::Tensor pack_linear_weight(const at::Tensor& w_in) {
   at::Tensor out = at::zeros({P, K, PANEL}, w.options());
   const float* s = w.data_ptr<float>();
   float* d = out.data_ptr<float>();
-  folio_pool::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {
     for (int64_t p = b; p < e; ++p)
       for (int64_t c = 0; c < PANEL && p * PANEL + c < N; ++c) {
         const float* row = s + (p * PANEL + c) * K;
@@ -139,7 +137,7 @@ void run_panels(const float* x, int64_t M, int64_t K, const float* panels, int64
                 float* y) {
   const int64_t panel_lines = K * PANEL * 4 / 64;
   const bool big = M > CHUNKED_ROWS;
-  folio_pool::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, P, 1, [&](int64_t b, int64_t e) {
     if (big) {  // the thread's panels in L2-sized chunks, every row passing over each chunk
       const int64_t per = std::max<int64_t>(1, CHUNK_BYTES / (K * PANEL * 4));
       const int64_t per_pair = std::max<int64_t>(1, (panel_lines + K / 2 - 1) / std::max<int64_t>(1, K / 2));

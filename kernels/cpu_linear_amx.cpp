@@ -27,8 +27,6 @@
 //     against oneDNN's ~2,440; now ~2,260). The LM head (49,152 columns) at 128 rows wanted the
 //     chunks too: its rows 96 KiB apart share a few cache sets.
 #include <ATen/Parallel.h>
-
-#include "cpu_pool.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -158,7 +156,7 @@ void run_tiles(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64
   // while 64 rows of x at a time (in L1) pass over them.
   const bool big = M > ROWS;
   const int64_t RB = big ? 64 : ROWS, CH = big ? std::max<int64_t>(1, CHUNK / (per_panel * 4)) : pairs;
-  folio_pool::parallel_for(0, pairs, 1, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, pairs, 1, [&](int64_t b, int64_t e) {
     TileConfig cfg;
     for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
     _tile_loadconfig(&cfg);
@@ -207,7 +205,7 @@ at::Tensor pack_linear_tiles(const at::Tensor& w_in) {
   at::Tensor out = at::zeros({P, KS, 16, 16, 2}, w.options());
   const uint16_t* s = reinterpret_cast<const uint16_t*>(w.data_ptr());
   uint16_t* d = reinterpret_cast<uint16_t*>(out.data_ptr());
-  folio_pool::parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, N, 16, [&](int64_t b, int64_t e) {
     for (int64_t n = b; n < e; ++n)
       for (int64_t k = 0; k < K; ++k)  // panel n / 16, k step k / 32, pair row (k % 32) / 2, column n % 16
         d[(((n / 16 * KS + k / KSTEP) * 16 + (k % KSTEP) / 2) * 16 + n % 16) * 2 + k % 2] = s[n * K + k];

@@ -21,8 +21,6 @@
 // The norms' sums of squares run in another order than torch's mean, and silu's exp is
 // glibc's, not Sleef's: those two differ from torch in the last bit now and then.
 #include <ATen/Parallel.h>
-
-#include "cpu_pool.h"
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -88,7 +86,7 @@ inline int64_t first_nan(const T* row) {  // of a row that holds one
 
 template <typename T>
 void argmax_rows_of(const T* xp, int64_t R, int64_t n, int64_t rs, int64_t* op) {
-  folio_pool::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* row = xp + r * rs;
       float m;
@@ -171,7 +169,7 @@ void rms_norm_of(const at::Tensor& x, const at::Tensor& w, double eps, const at:
   const E* xp = static_cast<const E*>(x.data_ptr());
   const E* wp = static_cast<const E*>(w.data_ptr());
   E* op = static_cast<E*>(out.data_ptr());
-  folio_pool::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) norm_row(xp + t * xs, wp, op + t * os, n, static_cast<float>(eps));
   });
 }
@@ -194,7 +192,7 @@ void add_rms_norm_of(const at::Tensor& h, const at::Tensor& r, const at::Tensor&
   const E* rp = static_cast<const E*>(r.data_ptr());
   const E* wp = static_cast<const E*>(w.data_ptr());
   E* op = static_cast<E*>(out.data_ptr());
-  folio_pool::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       E* hr = hp + t * hs;
       const E* rr = rp + t * rs;
@@ -277,7 +275,7 @@ void silu_mul_of(const at::Tensor& gate_up, const at::Tensor& out) {
   const int64_t T = gate_up.size(0), n = out.size(1), gs = gate_up.stride(0), os = out.stride(0);
   const E* gp = static_cast<const E*>(gate_up.data_ptr());
   E* op = static_cast<E*>(out.data_ptr());
-  folio_pool::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const E* g = gp + t * gs;
       const E* u = g + n;
@@ -333,7 +331,7 @@ void rope_write_kv_of(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   E* vc = static_cast<E*>(v_cache.data_ptr());
   const int64_t xs = qkv.stride(0), cs = cos.stride(0), ss = sin.stride(0);
   const int64_t kb = k_cache.stride(0), kt = k_cache.stride(1), vb = v_cache.stride(0), vt = v_cache.stride(1);
-  folio_pool::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const E* x = xp + t * xs;
       const E* c = cp + t * cs;
@@ -529,7 +527,7 @@ int64_t invert(const float* ep, const double* sums, int64_t n, int64_t nchunks, 
 template <typename T>
 void sample_rows_of(const T* xp, int64_t rs, int64_t n, const int64_t* rows, int64_t R, const float* temps,
                     const int64_t* top_k, const float* top_p, const float* min_p, const double* u, int64_t* op) {
-  folio_pool::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
     thread_local RowScratch w;
     const int64_t nchunks = (n + CHUNK - 1) / CHUNK;
     if (static_cast<int64_t>(w.e.size()) < n) {

@@ -28,8 +28,6 @@
 // to 256). No infinities (the library is built with -ffast-math): masked keys are never
 // scored; a row's state starts empty (sum 0) rather than at -inf.
 #include <ATen/Parallel.h>
-
-#include "cpu_pool.h"
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
@@ -152,7 +150,7 @@ void prefill_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   std::vector<float>& packed = base[S] <= (16 << 20) ? kept : own;
   if (packed.size() < static_cast<size_t>(base[S])) packed.resize(base[S]);
   float* pk = packed.data();
-  folio_pool::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t s = i / KVH, j = i % KVH, L = sl[s], c = cp[s];
       float* Kt = pk + base[s] + j * c * Dp;      // [c / BK][Dp][BK]
@@ -188,7 +186,7 @@ void prefill_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   std::atomic<int64_t> next{0};
   const int64_t n = static_cast<int64_t>(tasks.size());
   const int64_t workers = std::min<int64_t>(n, at::get_num_threads());
-  folio_pool::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     static thread_local Scratch w;
     const int64_t Mmax = (BQ * G + 7) / 8 * 8;
     w.q.resize(Mmax * Dp), w.s.resize(Mmax * BK), w.o.resize(Mmax * Dp), w.m.resize(Mmax), w.l.resize(Mmax);
