@@ -3,14 +3,12 @@ entries: completions' {"tokens", "token_logprobs", "top_logprobs", "text_offset"
 {"content": [{"token", "logprob", "bytes", "top_logprobs"}]}. `return_tokens_as_token_ids`
 (vLLM) names tokens "token_id:<id>".
 
-text_offset is each token's character offset in the choice's text (an echoed prompt
-included): a delta's text starts where the text so far ends (`Choice` keeps the spans), and a
-token inside a delta of several sits after the text the delta's tokens before it add when
-decoded in sequence (a special token adds none), clipped to the delta's text (text cut by a
-stop string starts where the delta's text ends).
+text_offset: deploy/text_offsets.py.
 """
 
 from __future__ import annotations
+
+from folio.deploy.text_offsets import TextOffsets
 
 
 def _top(d: dict, k: int) -> list[tuple[int, float]]:
@@ -23,55 +21,29 @@ def _token_text(tok, as_ids: bool):
 
 
 def logprobs_completion(tok, entries: list[dict], k: int, spans: list[tuple[int, int, int]],
-                        as_ids: bool = False) -> dict:
-    """spans: (offset, characters, tokens) of each delta the entries came in, in order: a token's
-    text_offset is where its delta's text starts in the choice's text plus the text of the
-    delta's tokens before it (clipped to the delta's text: a held-back or stop-cut token's text
-    starts where the delta's ends)."""
+                        as_ids: bool = False, offsets: TextOffsets | None = None) -> dict:
+    """spans: (offset, characters, tokens) of each delta the entries came in, in order (a delta
+    of text only has 0 tokens); offsets: the choice's TextOffsets (a stream's, kept from delta
+    to delta), else one with no context (an echoed prompt)."""
     text = _token_text(tok, as_ids)
-    tokens, lps, tops, offsets = [], [], [], []
+    tokens, lps, tops, where = [], [], [], []
     for d in entries:
         chosen = next(iter(d))
         tokens.append(text(chosen))
         lps.append(d[chosen])
         # an echoed prompt's first token: nothing predicts it (null, as OpenAI and vLLM)
         tops.append(None if d[chosen] is None else {text(t): lp for t, lp in _top(d, k)})
-    ids = [next(iter(d)) for d in entries]
-    at = 0
+    ids, at = [next(iter(d)) for d in entries], 0
+    offsets = offsets or TextOffsets()
     for offset, chars, count in spans:
-        inner = 0
-        for n in _span_lengths(tok, ids[at:at + count], chars):
-            offsets.append(offset + min(inner, chars))
-            inner += n
+        where.extend(offsets.offsets(tok, ids[at:at + count], offset, chars))
         at += count
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": where}
 
 
 def joined(first: dict, then: dict) -> dict:
     """Two parts of one choice's completions logprobs (an echo's, then its text's), as one."""
     return {key: first[key] + then[key] for key in first}
-
-
-def _span_lengths(tok, ids: list[int], chars: int) -> list[int]:
-    """How many characters each token adds to a span's text (`chars` long) when the span's ids
-    are decoded in sequence (a token inside a character: none until the one that completes it).
-    A token decoded alone says otherwise: a SentencePiece word's leading space is dropped, and a
-    text prompt's echo has no "<s>" (a token-id prompt's echo is decoded with it): special tokens
-    count as the span's text has them."""
-    from tokenizers.decoders import DecodeStream
-
-    first = None
-    for skip in (True, False):
-        stream, backend, out = DecodeStream(skip_special_tokens=skip), tok.backend_tokenizer, []
-        for t in ids:
-            try:
-                out.append(len(stream.step(backend, t) or ""))
-            except Exception:  # noqa: BLE001 - an id the tokenizer cannot decode adds no text
-                out.append(0)
-        if sum(out) == chars:
-            return out
-        first = first or out
-    return first  # neither adds up (a stop string cut the text): clipped by the caller
 
 
 def logprobs_chat(tok, entries: list[dict], k: int, as_ids: bool = False) -> dict:
@@ -102,9 +74,9 @@ class Choice:
         self.texts, self.length, self.entries, self.spans, self.reason = [prefix], len(prefix), [], [], None
 
     def add(self, d) -> None:
-        if d.logprobs:
-            self.entries.extend(d.logprobs)
-            self.spans.append((self.length, len(d.text), len(d.logprobs)))
+        if d.logprobs or d.text:
+            self.entries.extend(d.logprobs or [])
+            self.spans.append((self.length, len(d.text), len(d.logprobs or [])))
         self.texts.append(d.text)
         self.length += len(d.text)
         if d.finish_reason:

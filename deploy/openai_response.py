@@ -63,7 +63,7 @@ async def respond(frontend: Frontend, req, run: Run, chat: bool, model: str):
                                                 as_ids)
             else:
                 lp = await frontend.prompts.run(logprobs_completion, frontend.tokenizer, c.entries,
-                                                run.params.logprobs, c.spans, as_ids)
+                                                run.params.logprobs, c.spans, as_ids, run.text_offsets(i))
                 echo = await run.echo_logprobs(i, run.params.logprobs, as_ids)  # once per prompt
                 lp = lp if echo is None else joined(echo, lp)
         if chat:

@@ -14,6 +14,8 @@ from typing import AsyncIterator
 
 from folio.deploy.frontend import Admission, Frontend
 from folio.deploy.openai_logprobs import logprobs_completion, prompt_entries
+from folio.deploy.text_offsets import TextOffsets
+from folio.worker.detokenizer import PROMPT_CONTEXT
 from folio.worker.sampling_params import SamplingParams
 
 
@@ -31,6 +33,15 @@ class Run:
         self.echo: list[str] | None = None  # completions' echo: each prompt's text, put before its choices
         self.prompt_logprobs: dict[int, list] = {}  # echo + logprobs: per prompt, from its first chunk
         self._echo_logprobs: dict[int, asyncio.Future] = {}  # per prompt: its echo's logprobs, formatted
+        self._offsets: dict[int, TextOffsets] = {}  # per choice: its text_offset, delta by delta
+
+    def text_offsets(self, choice: int) -> TextOffsets:
+        """The choice's TextOffsets: its generated text decodes after its prompt's tail, as the
+        frontend's text stream is primed; one per choice, kept across a stream's deltas."""
+        if choice not in self._offsets:
+            prompt = self.prompts[choice // self.params.n]
+            self._offsets[choice] = TextOffsets(prompt[-PROMPT_CONTEXT:], self.params.skip_special_tokens)
+        return self._offsets[choice]
 
     def prompt_entries(self, choice: int) -> list[dict]:
         """Completions' logprobs entries of the echoed prompt of `choice` ([] without echo + logprobs)."""

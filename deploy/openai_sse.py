@@ -59,10 +59,13 @@ async def sse(events, run, rid, obj, created, model, chat, req, frontend) -> Asy
                 choice = {"index": i, "text": prefix + d.text, "logprobs": None, "finish_reason": d.finish_reason}
                 if (d.logprobs or echoed) and run.params.logprobs is not None:
                     lp = logprobs_completion(tok, d.logprobs or [], run.params.logprobs,
-                                             [(at, len(d.text), len(d.logprobs or []))], as_ids)
+                                             [(at, len(d.text), len(d.logprobs or []))], as_ids,
+                                             run.text_offsets(i))
                     if echoed:  # formatted once per prompt, off the event loop (openai_run.py)
                         lp = joined(await run.echo_logprobs(i, run.params.logprobs, as_ids), lp)
                     choice["logprobs"] = lp
+                elif d.text and run.params.logprobs is not None:  # held-back text only: the offsets follow it
+                    run.text_offsets(i).offsets(tok, [], at, len(d.text))
             chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
             if req.include_usage:
                 chunk["usage"] = dict(run.usage) if req.continuous_usage else None

@@ -17,7 +17,7 @@ from tokenizers.decoders import DecodeStream
 
 from folio.worker.sequence import Sequence
 
-_PROMPT_CONTEXT = 4  # prompt tokens fed to the stream so the first output token decodes in context
+PROMPT_CONTEXT = 4  # prompt tokens fed to the stream so the first output token decodes in context
 
 
 def load_tokenizer(path: str):
@@ -41,7 +41,7 @@ class Detokenizer:
     def _stream(self, seq: Sequence) -> DecodeStream:
         if seq.decoder is None:
             skip = seq.params.skip_special_tokens
-            ctx = seq.token_ids[max(0, seq.num_prompt_tokens - _PROMPT_CONTEXT) : seq.num_prompt_tokens]
+            ctx = seq.token_ids[max(0, seq.num_prompt_tokens - PROMPT_CONTEXT) : seq.num_prompt_tokens]
             seq.decoder = DecodeStream(ids=ctx, skip_special_tokens=skip)
             # feed output tokens produced before this stream existed (an imported sequence:
             # their text is already in output_text) so the next token decodes in context
@@ -100,7 +100,7 @@ class TextStream:
     def __init__(self, tokenizer, prompt_ids: list[int], stops=(), include_stop: bool = False,
                  skip_special_tokens: bool = True, min_tokens: int = 0) -> None:
         self._backend = tokenizer.backend_tokenizer
-        self._decoder = DecodeStream(ids=list(prompt_ids[-_PROMPT_CONTEXT:]), skip_special_tokens=skip_special_tokens)
+        self._decoder = DecodeStream(ids=list(prompt_ids[-PROMPT_CONTEXT:]), skip_special_tokens=skip_special_tokens)
         self._stops, self._include = tuple(stops), include_stop
         self._min_tokens, self._count = min_tokens, 0  # stop strings are looked for past min_tokens
         self.text = ""
