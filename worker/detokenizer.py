@@ -72,15 +72,22 @@ class Detokenizer:
 
 
 def match_stop(text: str, new: str, stops, include: bool) -> tuple[str, str | None]:
-    """(`text` + `new`, cut at the first stop string the new text completes; that stop or None)."""
+    """(`text` + `new`, cut at the stop string the new text completes first, that stop; or
+    None). First: the match that ends earliest, as if the text came one character at a time,
+    then the one that starts earliest. So the cut does not depend on how the text was split
+    into tokens, nor on the order of `stops`, and what is left holds no stop string (the first
+    listed match won before: stop=["e", " "] left " OptionPars")."""
     prev_len = len(text)
     text += new
+    best, best_key = None, None
     for stop in stops:
-        start = max(0, prev_len - len(stop) + 1)  # only where the new text could complete a match
-        pos = text.find(stop, start)
-        if pos != -1:
-            return text[: pos + len(stop) if include else pos], stop
-    return text, None
+        pos = text.find(stop, max(0, prev_len - len(stop) + 1))  # only where the new text completes one
+        if pos != -1 and (best_key is None or (pos + len(stop), pos) < best_key):
+            best, best_key = stop, (pos + len(stop), pos)
+    if best is None:
+        return text, None
+    end, pos = best_key
+    return text[: end if include else pos], best
 
 
 def sendable_end(text_len: int, sent: int, stops, finished: bool) -> int:
