@@ -3,7 +3,14 @@ worker). Submits, aborts and attaches go down its TCP connection in order as bat
 flight, awaited); every chunk of the frontend's requests there comes back on it, one frame per
 worker step, and is put in its request's Inbox (merged while the reader is behind). A reader
 that leaves queues its abort on the channel at once, behind its own submit. RayWorkerClient
-(worker_client.py) opens them; the address and token of the worker's data port come over Ray."""
+(worker_client.py) opens them; the address and token of the worker's data port come over Ray.
+
+Request ids are demultiplexed by name, so an id whose reader left is held ("draining") until
+the worker's last item for it comes back (its abort's final chunk, its finish, a migration, an
+error): a new request under the same id meanwhile waits for it (up to DRAIN_WAIT_S, then
+"already in use"). Without the hold, a client that cancelled a stream and sent its id again
+got the old request's final chunk on the new stream, which the router read as a worker that
+skipped tokens: UNAVAILABLE "no worker is alive to take the request"."""
 
 from __future__ import annotations
 
@@ -18,6 +25,8 @@ from folio.worker.messages import StreamChunk, merge_chunks
 from folio.worker.outbox import terminal
 
 CLOSE_FLUSH_S = 5.0  # how long a frontend that cannot connect waits to close its subscriber over Ray
+DRAIN_WAIT_S = 5.0  # how long a request waits for its id's previous request to end on the worker
+MAX_DRAINING = 4096  # ids held at once; past it the oldest half are let go
 
 
 class WorkerDiedError(UnavailableError):
@@ -60,6 +69,7 @@ class Channel:
         self.client, self.wid = client, wid
         self.subscriber = f"fe-{uuid.uuid4().hex[:16]}"
         self.inboxes: dict[str, Inbox] = {}
+        self.draining: dict[str, asyncio.Event] = {}  # ids whose reader left before their last item came
         self.outgoing: list = []  # (message, future or None), not yet sent
         self.inflight: list = []  # the batch sent, its results not back yet
         self.wake = asyncio.Event()
@@ -83,9 +93,14 @@ class Channel:
         return await fut
 
     async def stream(self, rid: str, msg) -> AsyncIterator[StreamChunk]:
+        if rid in self.draining and self.dead is None:  # the id's previous request is still ending
+            try:
+                await asyncio.wait_for(self.draining[rid].wait(), DRAIN_WAIT_S)
+            except asyncio.TimeoutError:
+                pass
         if self.dead is not None:
             raise self.dead
-        if rid in self.inboxes:
+        if rid in self.inboxes or rid in self.draining:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
         box = self.inboxes[rid] = Inbox()
         self.send(msg)
@@ -104,7 +119,20 @@ class Channel:
             if self.inboxes.get(rid) is box:
                 del self.inboxes[rid]
             if not finished and self.dead is None:  # the reader left: free its blocks
+                if not any(terminal(item) for item in box.items):  # its last item is still to come
+                    self._hold(rid)
                 self.send(("abort", rid))
+
+    def _hold(self, rid: str) -> None:
+        if len(self.draining) >= MAX_DRAINING:
+            for old in list(self.draining)[: MAX_DRAINING // 2]:
+                self._release(old)
+        self.draining[rid] = asyncio.Event()
+
+    def _release(self, rid: str) -> None:
+        event = self.draining.pop(rid, None)
+        if event is not None:
+            event.set()
 
     async def _send_loop(self) -> None:
         try:
@@ -135,9 +163,12 @@ class Channel:
             if fut is not None and not fut.done():
                 fut.set_exception(err)
             elif kind in ("submit", "attach"):
-                box = self.inboxes.get(arg.request_id if kind == "submit" else arg)
+                rid = arg.request_id if kind == "submit" else arg
+                box = self.inboxes.get(rid)
                 if box is not None:
                     box.put(err)
+                else:  # never applied: nothing more will come for it
+                    self._release(rid)
 
     async def _read(self) -> None:
         writer = None
@@ -156,6 +187,8 @@ class Channel:
                         box = self.inboxes.get(rid)
                         if box is not None:
                             box.put(item)
+                        elif rid in self.draining and terminal(item):
+                            self._release(rid)
                 elif self.results is not None and not self.results.done() and frame[1] == self.seq:
                     if frame[0] == "r":
                         self.results.set_result(frame[2])
@@ -195,6 +228,8 @@ class Channel:
         self.outgoing, self.inflight = [], []
         for box in self.inboxes.values():
             box.put(err)
+        for rid in list(self.draining):
+            self._release(rid)
         for t in (self.reader, self.sender):
             if t is not asyncio.current_task() and not t.done():
                 t.cancel()

@@ -21,6 +21,7 @@ worker as WorkerDiedError (an UnavailableError).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import weakref
 from typing import AsyncIterator, Protocol
 
@@ -64,12 +65,16 @@ class RayWorkerClient:
         return h
 
     async def generate(self, wid: str, req: GenerateRequest) -> AsyncIterator[StreamChunk]:
-        async for chunk in self._channel(wid).stream(req.request_id, ("submit", req)):
-            yield chunk
+        # closed with this generator, not later by the garbage collector: its abort must go out
+        # (and its id be held) before the caller's next request, which may reuse the id
+        async with contextlib.aclosing(self._channel(wid).stream(req.request_id, ("submit", req))) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     async def attach(self, wid: str, request_id: str) -> AsyncIterator[StreamChunk]:
-        async for chunk in self._channel(wid).stream(request_id, ("attach", request_id)):
-            yield chunk
+        async with contextlib.aclosing(self._channel(wid).stream(request_id, ("attach", request_id))) as chunks:
+            async for chunk in chunks:
+                yield chunk
 
     def _channel(self, wid: str) -> "Channel":
         per_loop = self._channels.setdefault(asyncio.get_running_loop(), {})

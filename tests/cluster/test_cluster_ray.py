@@ -100,6 +100,30 @@ def test_bad_request_is_rejected_and_leaves_nothing(cluster):
     assert_idle_and_consistent(cluster)
 
 
+def test_an_id_left_and_sent_again_at_once_runs_on_its_worker(cluster):
+    """A reader that leaves a stream, and the same id sent again at once to the same worker (a
+    client's retry): the new request runs, alone. The id waits on the frontend's channel for
+    the old request's last chunk, which came to the new request before: the router read it as
+    a worker that skipped tokens and refused the request (gRPC UNAVAILABLE, in an attack)."""
+    prompt, params = list(range(20, 30)), SamplingParams(max_tokens=4, temperature=0.0)
+    long = SamplingParams(max_tokens=150, ignore_eos=True, temperature=0.0)  # 170 tokens: 22 of 24 blocks
+
+    async def main():
+        want, _ = await run(cluster.router, GenerateRequest(request_id="fresh", prompt_token_ids=prompt,
+                                                            params=params), worker_id="w0")
+        for k in range(8):
+            rid = f"again-{k}"
+            gen = cluster.router.generate(GenerateRequest(request_id=rid, prompt_token_ids=list(range(20, 40)),
+                                                          params=long), worker_id="w0")
+            await gen.__anext__()
+            await gen.aclose()  # the reader leaves: its abort goes out, the last chunk comes later
+            got, workers = await run(cluster.router, GenerateRequest(request_id=rid, prompt_token_ids=prompt,
+                                                                     params=params), worker_id="w0")
+            assert got == want and set(workers) == {"w0"}
+    asyncio.run(main())
+    assert_idle_and_consistent(cluster)
+
+
 def test_policies_route_as_specified(cluster, tokenizer):
     pause_coordinator(cluster, True)  # loads stay where the test puts them
     try:

@@ -354,6 +354,23 @@ def test_grpc_abort_cancel_and_deadline_free_the_blocks(server, stub):
     assert not stub.Abort(pb.AbortRequest(request_id="never-was"), metadata=AUTH).aborted
 
 
+def test_grpc_an_id_cancelled_and_sent_again_at_once_runs(server, stub):
+    """A client that cancels a stream and sends its id again at once (a retry) gets its new
+    request run: the id waits, on the frontend's channel, for the old request's last chunk.
+    (That chunk came to the new request, which the router read as a worker that skipped
+    tokens: UNAVAILABLE "no worker is alive to take the request", 3 of 3 in an attack.)"""
+    long = dict(max_tokens=230, temperature=0, ignore_eos=True)
+    want = stub.Generate(req(ids=list(range(20, 30)), max_tokens=4, temperature=0), metadata=AUTH)
+    for k in range(8):
+        rid = f"retried-{k}"
+        stream = stub.GenerateStream(req(ids=list(range(20, 40)), rid=rid, **long), metadata=AUTH)
+        next(stream)
+        stream.cancel()
+        got = stub.Generate(req(ids=list(range(20, 30)), rid=rid, max_tokens=4, temperature=0), metadata=AUTH)
+        assert got.completions[0].token_ids == want.completions[0].token_ids
+    wait_idle(server)
+
+
 @pytest.mark.parametrize("request_, fragment", [
     (req(""), "empty"),
     (req(ids=[]), "empty"),
