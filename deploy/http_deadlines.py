@@ -39,6 +39,12 @@ after its request had ended too. As nginx's send_timeout:
                       its request is aborted as for a disconnect)
 
 A slow reader that keeps taking bytes is never cut.
+
+Pipelined requests. httptools' protocol keeps only the last request's cycle: a request sent on
+the same connection behind a stream (HTTP/1.1 pipelining) replaced it, and when the client then
+left, only the queued request was told; the stream it was behind went on writing into a closed
+socket (28-650 tokens after a reset, in an attack on 2026-12-06). So every earlier cycle still
+under way is told too (`_earlier`).
 """
 
 from __future__ import annotations
@@ -102,6 +108,20 @@ class _Deadlines:
     _head_bytes = _body_bytes = _sent_mark = 0
     _sent_at = 0.0
     _lost = False
+    _earlier: tuple = ()  # cycles the protocol no longer keeps whose response is under way
+
+    @property
+    def cycle(self):
+        return self.__dict__.get("_cycle")
+
+    @cycle.setter
+    def cycle(self, new) -> None:
+        """uvicorn's protocol sets it for each request whose headers are in, a pipelined one
+        while the one before it is still answered: that one is kept in `_earlier`."""
+        old = self.__dict__.get("_cycle")
+        if old is not None and old is not new and not old.response_complete:
+            self._earlier = (*(c for c in self._earlier if not c.response_complete), old)
+        self.__dict__["_cycle"] = new
 
     def connection_made(self, transport) -> None:
         super().connection_made(_Counted(transport, self))
@@ -198,6 +218,11 @@ class _Deadlines:
             self._send_timer.cancel()
             self._send_timer = None
         self._cancel()
+        for c in self._earlier:  # as uvicorn does for the cycle it keeps
+            if not c.response_complete:
+                c.disconnected = True
+            c.message_event.set()
+        self._earlier = ()
         super().connection_lost(exc)
 
     def _head_expired(self) -> None:

@@ -325,3 +325,22 @@ def test_a_chunked_body_under_the_bound_is_read_whole_in_small_chunks(server):
         s.sendall(b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n" + framed
                   + b"0\r\nx-trailer: ok\r\n\r\n")
         assert_answered(s, body)
+
+
+@pytest.mark.parametrize("reset", [True, False])
+def test_a_stream_with_a_pipelined_request_behind_it_sees_its_client_go(server, reset):
+    """HTTP/1.1 pipelining: a second request sent behind a stream, then the client leaves (a
+    reset or a close). httptools' protocol kept only the queued request and told only it: the
+    stream went on writing into the closed socket to its end (attack of 2026-12-06, 28-650
+    tokens after the reset)."""
+    before = server.disconnects
+    with server.connect() as s:
+        s.sendall(get("/big/4096") + request())  # 256 MiB: never finishes in this test's time
+        assert s.recv(1 << 16).startswith(b"HTTP/1.1 200")
+        if reset:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    assert wait_for(lambda: server.disconnects > before, 3.0), "the stream never saw its client go"
+    assert wait_for(lambda: server.connections() == 0)
+    with server.connect() as s:  # and the server answers the next client
+        s.sendall(request())
+        assert_answered(s)
