@@ -358,7 +358,9 @@ def test_grpc_an_id_cancelled_and_sent_again_at_once_runs(server, stub):
     """A client that cancels a stream and sends its id again at once (a retry) gets its new
     request run: the id waits, on the frontend's channel, for the old request's last chunk.
     (That chunk came to the new request, which the router read as a worker that skipped
-    tokens: UNAVAILABLE "no worker is alive to take the request", 3 of 3 in an attack.)"""
+    tokens: UNAVAILABLE "no worker is alive to take the request", 3 of 3 in an attack on one
+    worker. On this fixture's two the router quietly ran the retry on the other one, so this
+    test checks the path end to end; the cluster test, pinned to one worker, catches the fault.)"""
     long = dict(max_tokens=230, temperature=0, ignore_eos=True)
     want = stub.Generate(req(ids=list(range(20, 30)), max_tokens=4, temperature=0), metadata=AUTH)
     for k in range(8):
