@@ -11,6 +11,7 @@ where it was "stop"); completion choices start with their prompt's text under `e
 from __future__ import annotations
 
 import time
+import uuid
 
 from folio.deploy.frontend import Frontend
 from folio.deploy.openai_logprobs import Choice, joined, logprobs_chat, logprobs_completion
@@ -21,7 +22,9 @@ from folio.deploy.openai_sse import sse
 async def respond(frontend: Frontend, req, run: Run, chat: bool, model: str):
     created = int(time.time())
     obj = "chat.completion" if chat else "text_completion"
-    rid = ("chatcmpl-" if chat else "cmpl-") + (req.request_id or run.id)
+    # not the run's own id: its requests on the workers are "<run.id>-<i>", and a response id
+    # made of it let any client that saw one abort that request over gRPC
+    rid = ("chatcmpl-" if chat else "cmpl-") + (req.request_id or uuid.uuid4().hex)
     events = run.events()
     try:
         first = await events.__anext__()  # admission and validation errors surface here, as a status code

@@ -140,6 +140,26 @@ def test_http_client_that_disconnects_aborts_its_request(server):
     assert generated_tokens(server) - generated < 200  # it stopped: it did not run to 230
 
 
+def test_an_http_response_id_does_not_name_its_request_on_the_workers(server, stub):
+    """An HTTP stream's response id ("cmpl-<hex>") was its run's id, and its request on the
+    worker "<hex>-0": a gRPC Abort of that name cut another client's stream (an attack)."""
+    import json
+
+    wait_idle(server)
+    body = {"model": "tiny", "prompt": list(range(20, 40)), "max_tokens": 60, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    req_ = urllib.request.Request(server["http"] + "/v1/completions", json.dumps(body).encode(),
+                                  {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req_) as r:
+        first = json.loads(r.readline().decode().removeprefix("data: "))
+        hexid = first["id"].removeprefix("cmpl-")
+        assert not stub.Abort(pb.AbortRequest(request_id=f"{hexid}-0"), metadata=AUTH).aborted
+        events = [first] + [json.loads(line[6:]) for line in r.read().decode().splitlines()
+                            if line.startswith("data: {")]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    wait_idle(server)
+
+
 def test_http_client_that_disconnects_before_its_first_token_aborts_its_request(server):
     """Non-streaming, the answer comes at the end; streaming, the first event only after the
     prefill: a client gone before either is seen at once (serve_deployment.until_client_gone)."""
