@@ -105,7 +105,11 @@ def test_a_slow_reader_gets_the_steps_it_missed_merged_into_one_chunk(model, off
 
     async def main():
         fast, slow = await read(False), await read(True)
-        assert len(slow) < len(fast), "the slow reader should have received merged chunks"
+        # Unmerged, each of the 24 steps would be a chunk of its own. (How many chunks the fast
+        # reader gets depends on how the event loop and the step thread share the cores: on a
+        # loaded machine it can read only after the last step, so it is not the yardstick.)
+        assert len(slow) < 24 and any(len(d.token_ids) > 1 for c in slow for d in c.deltas), \
+            "the slow reader should have received merged chunks"
         for chunks in (fast, slow):
             assert chunks[-1].finished and all(not c.finished for c in chunks[:-1])
         for i in range(n):
