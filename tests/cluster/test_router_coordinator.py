@@ -101,6 +101,10 @@ def test_coordinator_resumes_swapped_requests_on_the_idle_worker(model, tokenize
     with EmbeddedRedis() as server:
         ns = "coord"
         a, b = make_worker(model, "a", server.url, ns, **small), make_worker(model, "b", server.url, ns, **small)
+        # a's steps as a larger model's (10 ms more each): the burst outlasts the coordinator's
+        # first rounds even on a loaded host (with a CPU hog beside the suite it once ended
+        # before the coordinator had moved anything)
+        a.engine.step = _slower(a.engine.step, 0.01)
         client = LocalWorkerClient({"a": a, "b": b})
         state = ClusterState(server.url, ns)
 
@@ -192,6 +196,14 @@ def test_a_request_refused_before_its_first_token_runs_on_another_worker(model, 
             tokens, chunks = await run
             assert tokens[0] == expected and {ch.worker_id for ch in chunks} == {"b", "c"} - {first}
         asyncio.run(main())
+
+
+def _slower(step, seconds: float):
+    """An engine's step that takes `seconds` longer."""
+    def slow():
+        time.sleep(seconds)
+        return step()
+    return slow
 
 
 def _slow_first(step):
