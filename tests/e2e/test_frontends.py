@@ -184,7 +184,10 @@ def test_http_client_that_disconnects_before_its_first_token_aborts_its_request(
         wait_idle(server)
         assert metric(server, "folio_requests_total", finish_reason="abort") == aborted + 1, stream
         assert metric(server, "folio_requests_total", finish_reason="error") == errors, stream
-        assert generated_tokens(server) - generated < 200, stream  # it stopped: it did not run to 230
+        # it stopped before its end (the abort above says so too). No tighter bound: the loop
+        # above sees the first token through the heartbeats, ~0.1 s late, and on a fast CPU the
+        # whole request takes 0.12-0.16 s (a clean-clone run saw 227 tokens before the abort)
+        assert generated_tokens(server) - generated < 230, stream
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
