@@ -11,7 +11,9 @@ half over HTTP (aiohttp; the connection is closed after 0-5 SSE chunks, or at 0 
 time before the response headers came), a quarter over gRPC cancelled after 0-5 messages,
 a quarter over gRPC with a deadline: half of them 0.05-0.6 s (it expires before the first
 message: the burst's prefills take longer), half 0.6-1.3 x the last round's median time to a
-first message (it expires around it, often mid-stream; a later one reads hundreds of tokens). After each round the
+first message (1 s before the first round; it expires around it, often mid-stream; a later one reads hundreds
+of tokens); none past half the time one lone whole request takes (timed before the first round: on a fast
+CPU the tiny model ran a whole request inside a 1.3 s deadline, CI 2026-12-06). After each round the
 workers must go idle (nothing running, waiting or swapped, every KV block free: their
 heartbeats in Redis) within `--idle-timeout-s`, and the generation counter (the workers'
 own, from the heartbeats) must have moved past what the clients read by < 5 % of the possible
@@ -45,6 +47,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MAX_TOKENS = 1000
+DEADLINE_CAP = 0.5  # a deadline client's deadline is at most this share of a lone whole request's time
 MISS_SHARE = 0.05  # of the possible tokens, made past what the clients read
 RSS_FLAT_MB = 20.0  # worker RSS growth after the first run that still counts as flat
 
@@ -241,13 +244,17 @@ async def grpc_cancel_client(stub, rng: random.Random, leave_after: int, max_tok
     return read, ttft
 
 
-async def grpc_deadline_client(stub, rng: random.Random, max_tokens: int, ttft_s: float | None) -> tuple[int, int]:
+async def grpc_deadline_client(stub, rng: random.Random, max_tokens: int, ttft_s: float | None,
+                               whole_s: float) -> tuple[int, int]:
     """Read until the call's deadline expires: 0.05-0.6 s (`ttft_s` None: under the burst,
     before the first message), or 0.6-1.3 x `ttft_s` (the last round's median time to a
-    first message: around it, mid-stream). Returns (tokens read, messages read)."""
+    first message: around it, mid-stream); never past DEADLINE_CAP x `whole_s`, the time one
+    whole request takes alone, so that the deadline, not the request's end, stops it.
+    Returns (tokens read, messages read)."""
     import grpc
 
     timeout = rng.uniform(0.05, 0.6) if ttft_s is None else rng.uniform(0.6, 1.3) * ttft_s
+    timeout = min(timeout, DEADLINE_CAP * whole_s)
     call = stub.GenerateStream(_grpc_request(rng, max_tokens), timeout=timeout)
     read = n = 0
     try:
@@ -261,7 +268,25 @@ async def grpc_deadline_client(stub, rng: random.Random, max_tokens: int, ttft_s
     return read, n
 
 
-async def drive(srv: dict, clients: int, seed: int, max_tokens: int, ttft_s: float) -> dict:
+async def whole_request_s(srv: dict, max_tokens: int, tries: int = 3) -> float:
+    """The fastest of `tries` lone requests of `max_tokens`, start to finish, over gRPC."""
+    import grpc
+
+    from folio.v1 import generate_pb2_grpc as pb_grpc
+
+    best = float("inf")
+    async with grpc.aio.insecure_channel(srv["grpc"]) as ch:
+        stub = pb_grpc.GenerationStub(ch)
+        for i in range(tries):
+            t0 = time.monotonic()
+            async for msg in stub.GenerateStream(_grpc_request(random.Random(i), max_tokens)):
+                if msg.finished:
+                    break
+            best = min(best, time.monotonic() - t0)
+    return best
+
+
+async def drive(srv: dict, clients: int, seed: int, max_tokens: int, ttft_s: float, whole_s: float) -> dict:
     """One round: `clients` clients at once (half HTTP, a quarter gRPC cancel, a quarter deadline)."""
     import aiohttp
     import grpc
@@ -286,7 +311,7 @@ async def drive(srv: dict, clients: int, seed: int, max_tokens: int, ttft_s: flo
                 got, ttft = await grpc_cancel_client(stub, r, r.randint(0, 5), max_tokens)
                 ttfts.extend([ttft] if ttft is not None else [])
             else:
-                got, n = await grpc_deadline_client(stub, r, max_tokens, ttft_s if i % 8 == 7 else None)
+                got, n = await grpc_deadline_client(stub, r, max_tokens, ttft_s if i % 8 == 7 else None, whole_s)
                 out[kind]["messages_before_deadline"][min(n, 7)] += 1
             out[kind]["read"] += got
         except Exception as e:
@@ -302,6 +327,7 @@ async def drive(srv: dict, clients: int, seed: int, max_tokens: int, ttft_s: flo
     out["errors"] = errors[:10]
     out["num_errors"] = len(errors)
     out["deadline_base_s"] = round(ttft_s, 3)
+    out["deadline_cap_s"] = round(DEADLINE_CAP * whole_s, 3)
     out["ttft_median_s"] = round(sorted(ttfts)[len(ttfts) // 2], 3) if ttfts else None
     return out
 
@@ -309,12 +335,15 @@ async def drive(srv: dict, clients: int, seed: int, max_tokens: int, ttft_s: flo
 # ---- rounds and runs --------------------------------------------------------------------------
 def one_round(srv: dict, state, pids: dict, clients: int, seed: int, max_tokens: int = MAX_TOKENS,
               idle_timeout_s: float = 120.0) -> dict:
+    if srv.get("loop") is None:  # one event loop for all rounds (grpc.aio's poller outlives a closed one)
+        srv["loop"] = asyncio.new_event_loop()
+    if srv.get("whole_s", {}).get(max_tokens) is None:
+        srv.setdefault("whole_s", {})[max_tokens] = srv["loop"].run_until_complete(whole_request_s(srv, max_tokens))
     ok, loads, _ = wait_idle(state, srv["workers"], idle_timeout_s)
     before = generated(loads)
     t0 = time.monotonic()
-    if srv.get("loop") is None:  # one event loop for all rounds (grpc.aio's poller outlives a closed one)
-        srv["loop"] = asyncio.new_event_loop()
-    res = srv["loop"].run_until_complete(drive(srv, clients, seed, max_tokens, srv.get("ttft_s", 1.0)))
+    res = srv["loop"].run_until_complete(drive(srv, clients, seed, max_tokens, srv.get("ttft_s", 1.0),
+                                               srv["whole_s"][max_tokens]))
     srv["ttft_s"] = res["ttft_median_s"] or srv.get("ttft_s", 1.0)
     clients_s = time.monotonic() - t0
     idle, loads, idle_s = wait_idle(state, srv["workers"], idle_timeout_s)

@@ -33,9 +33,11 @@ def test_clients_that_leave_through_serve_leave_nothing_running(server):
     assert sum(k.startswith("worker") for k in pids) == 2
     for rnd in range(ROUNDS):
         r = cs.one_round(server, state, pids, CLIENTS, seed=rnd, idle_timeout_s=60.0)
-        print(f"round {rnd}: generated {r['generated_tokens']} of {r['possible_tokens']} possible, "
-              f"read {r['read_tokens']}, idle after {r['idle_after_s']} s, rss {r['rss_mb_after']}")
         kinds = r["by_kind"]
+        print(f"round {rnd}: generated {r['generated_tokens']} of {r['possible_tokens']} possible, "
+              f"read {r['read_tokens']}, idle after {r['idle_after_s']} s, rss {r['rss_mb_after']}, "
+              f"deadlines capped at {kinds['deadline_cap_s']} s, by messages read [0..7+] "
+              f"{kinds['grpc_deadline']['messages_before_deadline']}")
         assert r["by_kind"]["num_errors"] == 0, kinds["errors"]
         assert {k: kinds[k]["clients"] for k in ("http", "grpc_cancel", "grpc_deadline")} == {
             "http": CLIENTS // 2, "grpc_cancel": CLIENTS // 4, "grpc_deadline": CLIENTS // 4}
