@@ -137,6 +137,44 @@ async def until(pred, what: str, timeout_s: float = 120, interval_s: float = 0.0
         await asyncio.sleep(interval_s)
 
 
+# ---- slower steps: a request that must outlast something, on any CPU -----------------------
+# A test that needs a request to still run when something happens (a coordinator round, a
+# heartbeat, a client's move, a kill) cannot count on the tiny model's speed: CI's CPU ran a
+# whole 1,000-token request inside a deadline meant to cut it, and a loaded host read a
+# stream only after its last step. Slower steps (as a larger model's) give such a test its
+# margin in steps, not in this machine's milliseconds.
+def step_delay(worker, seconds: float) -> bool:
+    """Make an EngineWorker's engine steps take `seconds` longer (0: as they were). Its step
+    thread looks `engine.step` up at every step, so this takes effect at the next one.
+    Returns whether its steps are slowed now."""
+    engine = worker.engine
+    engine.__dict__.pop("step", None)  # the class's own step again
+    if seconds > 0:
+        real = engine.step
+
+        def slow():
+            time.sleep(seconds)
+            return real()
+        engine.step = slow
+    return "step" in engine.__dict__
+
+
+def ray_step_delay(handle, seconds: float) -> None:
+    """step_delay on a worker actor (its process; a restarted one starts with its own steps)."""
+    import sys
+
+    import ray
+    from ray import cloudpickle
+
+    module = sys.modules[__name__]  # the actor's process cannot import this file: sent by value
+    cloudpickle.register_pickle_by_value(module)
+    try:
+        slowed = ray.get(handle.__ray_call__.remote(step_delay, seconds), timeout=60)
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)
+    assert slowed == (seconds > 0)  # it took effect in the actor's engine
+
+
 # ---- one `folio serve` for the tests of the client APIs and of the load harness ----------
 FOLIO_SERVER_KEY = "test-key"
 FOLIO_SERVER_LIMIT = 6  # --max-num-requests: a burst past it gets 429 / RESOURCE_EXHAUSTED

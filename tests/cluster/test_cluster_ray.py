@@ -17,7 +17,7 @@ from folio.worker.errors import UnavailableError  # noqa: E402
 from folio.worker.hashing import hash_full_blocks  # noqa: E402
 from folio.worker.messages import GenerateRequest  # noqa: E402
 
-from conftest import PROMPTS, until  # noqa: E402
+from conftest import PROMPTS, ray_step_delay, until  # noqa: E402
 
 ENGINE = dict(block_size=8, num_kv_blocks=24, num_cpu_blocks=96, max_model_len=256, preemption_mode="swap")
 TIMEOUT_S = 120
@@ -196,8 +196,9 @@ def test_policies_route_as_specified(cluster, tokenizer):
 def test_cross_gpu_preemption_resumes_requests_on_the_other_worker(cluster, tokenizer, model_dirs):
     """A burst pinned to w0 needs ~8x its KV: w0 swaps requests out and the coordinator
     resumes them on w1; every stream is complete, in order, and equal to the offline engine.
-    (The prompts twice: once, w0 finished the burst before the coordinator moved one, 1 run in
-    ~10 after the data plane left Ray, 2026-12-02.)"""
+    (Once, w0 finished the burst before the coordinator moved one, 1 run in ~10 after the data
+    plane left Ray, 2026-12-02: the prompts twice, and w0's steps 10 ms slower, as a larger
+    model's, so that the burst outlasts the coordinator's rounds on any CPU.)"""
     ids = [tokenizer(p).input_ids for p in PROMPTS] * 2
     params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
     before = stats(cluster)
@@ -205,7 +206,11 @@ def test_cross_gpu_preemption_resumes_requests_on_the_other_worker(cluster, toke
 
     async def main():
         return await asyncio.gather(*(run(cluster.router, r, worker_id="w0") for r in reqs))
-    results = asyncio.run(main())
+    ray_step_delay(cluster.workers["w0"], 0.01)
+    try:
+        results = asyncio.run(main())
+    finally:
+        ray_step_delay(cluster.workers["w0"], 0)
     assert [t for t, _ in results] == offline(model_dirs["llama"], ids, params)
     after = stats(cluster)
     assert after["w0"]["preemptions_by_mode"]["swap"] > before["w0"]["preemptions_by_mode"]["swap"]
@@ -216,6 +221,9 @@ def test_cross_gpu_preemption_resumes_requests_on_the_other_worker(cluster, toke
 
 
 def test_redis_restart_mid_load_keeps_serving(cluster, model_dirs):
+    """Redis restarts (all cluster state gone) while four requests run: they finish, exact, and
+    the workers register again. Steps 20 ms slower (as a larger model's): the 60 tokens run
+    past the restart on any CPU (they ended before it on this one, ~0.1 s, when they were not)."""
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     ids = [list(range(40 + i, 60 + i)) for i in range(4)]
     state = ClusterState(cluster.redis_url, "ftest")
@@ -224,7 +232,8 @@ def test_redis_restart_mid_load_keeps_serving(cluster, model_dirs):
         tasks = [asyncio.create_task(run(cluster.router,
                                          GenerateRequest(request_id=f"rr{i}", prompt_token_ids=x,
                                                          params=params))) for i, x in enumerate(ids)]
-        await asyncio.sleep(0.3)
+        await until(lambda: sum(l.num_running for l in state.live_loads().values()) >= 2, "requests running")
+        assert not any(t.done() for t in tasks)
         state.r.set("ftest:sentinel", b"before")
         cluster.redis.restart()  # all cluster state is gone
         assert state.r.get("ftest:sentinel") is None, "Redis kept its state: it was not restarted"
@@ -233,7 +242,13 @@ def test_redis_restart_mid_load_keeps_serving(cluster, model_dirs):
         await until(lambda: sorted(state.live_loads()) == ["w0", "w1"], "both workers to register again")
         after = await run(cluster.router, GenerateRequest(request_id="after", prompt_token_ids=ids[0], params=params))
         return results, after
-    results, after = asyncio.run(main())
+    for h in cluster.workers.values():
+        ray_step_delay(h, 0.02)
+    try:
+        results, after = asyncio.run(main())
+    finally:
+        for h in cluster.workers.values():
+            ray_step_delay(h, 0)
     expected = offline(model_dirs["llama"], ids, params)
     assert [t for t, _ in results] == expected and after[0] == expected[0]
     assert_idle_and_consistent(cluster)
@@ -267,6 +282,7 @@ def test_killed_worker_fails_or_reroutes_its_requests_and_is_restarted(cluster, 
     rr = Router(ClusterState(cluster.redis_url, "ftest"), cluster.router.client, "round-robin")
     w1 = cluster.workers["w1"]
     pid = ray.get(w1.pid.remote())
+    ray_step_delay(w1, 0.01)  # its 170 tokens outlast the kill on any CPU (the restarted w1: its own speed)
     probe = (list(range(70, 90)), SamplingParams(max_tokens=8, temperature=0.0))
 
     async def main():
@@ -280,7 +296,7 @@ def test_killed_worker_fails_or_reroutes_its_requests_and_is_restarted(cluster, 
                                                                prompt_token_ids=list(range(10 + i,
                                                                                            30 + i)), params=params)):
                     n += sum(len(d.token_ids) for d in chunk.deltas)
-                    if chunk.worker_id == "w1" and n >= 5:
+                    if chunk.worker_id == "w1" and n >= 5 and not chunk.finished:
                         streaming_on_w1.set()
             except UnavailableError:
                 failed_at[i] = time.monotonic()

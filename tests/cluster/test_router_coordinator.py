@@ -14,7 +14,7 @@ from folio.worker import LLM, InvalidRequestError, SamplingParams
 from folio.worker.errors import FolioError
 from folio.worker.messages import GenerateRequest
 
-from conftest import PROMPTS
+from conftest import PROMPTS, step_delay
 from test_worker_actor import ENGINE, GREEDY, _shutdown_workers, collect, make_worker, model, tokenizer  # noqa: F401 (fixtures)
 
 
@@ -22,6 +22,7 @@ def test_router_follows_a_migration_without_losing_or_repeating_tokens(model, to
     params = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
     expected = LLM(model, **ENGINE).generate([PROMPTS[2]], params)[0].token_ids
     a, b = make_worker(model, "a"), make_worker(model, "b")
+    step_delay(a, 0.01)  # the 150 tokens outlast the move on any CPU: ~1.5 s on a, not ~0.1
     client = LocalWorkerClient({"a": a, "b": b})
 
     async def main():
@@ -33,7 +34,7 @@ def test_router_follows_a_migration_without_losing_or_repeating_tokens(model, to
         async for chunk in stream:
             tokens += chunk.deltas[0].token_ids
             workers.append(chunk.worker_id)
-            if len(tokens) >= 5 and not moved:
+            if len(tokens) >= 5 and not moved and not chunk.finished:
                 await client.move("a", "b", "m")
                 moved = True
         assert tokens == expected
@@ -55,6 +56,8 @@ def test_a_refused_migration_neither_stalls_nor_breaks_the_stream(model, tokeniz
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     expected = LLM(model, **ENGINE).generate([PROMPTS[1]], params)[0].token_ids
     a, b = make_worker(model, "a"), make_worker(model, "b", block_size=16)
+    step_delay(a, 0.01)  # the 60 tokens outlast three refused moves on any CPU (a reader that
+    # a loaded host let read only at the end got one chunk: "unknown request", not "block size")
     client = LocalWorkerClient({"a": a, "b": b})
 
     async def main():
@@ -73,7 +76,8 @@ def test_a_refused_migration_neither_stalls_nor_breaks_the_stream(model, tokeniz
             workers.append(chunk.worker_id)
             # refused three times, at different points, one after the other (a move that started
             # while the one before was still settling found the request mid-move: "unknown request")
-            if len(tokens) >= 5 * (len(moves) + 1) and len(moves) < 3 and all(m.done() for m in moves):
+            if (len(tokens) >= 5 * (len(moves) + 1) and len(moves) < 3 and all(m.done() for m in moves)
+                    and not chunk.finished):
                 moves.append(asyncio.create_task(refused_move()))
                 await asyncio.sleep(0)
         refusals = await asyncio.gather(*moves)
@@ -104,7 +108,7 @@ def test_coordinator_resumes_swapped_requests_on_the_idle_worker(model, tokenize
         # a's steps as a larger model's (10 ms more each): the burst outlasts the coordinator's
         # first rounds even on a loaded host (with a CPU hog beside the suite it once ended
         # before the coordinator had moved anything)
-        a.engine.step = _slower(a.engine.step, 0.01)
+        step_delay(a, 0.01)
         client = LocalWorkerClient({"a": a, "b": b})
         state = ClusterState(server.url, ns)
 
@@ -196,14 +200,6 @@ def test_a_request_refused_before_its_first_token_runs_on_another_worker(model, 
             tokens, chunks = await run
             assert tokens[0] == expected and {ch.worker_id for ch in chunks} == {"b", "c"} - {first}
         asyncio.run(main())
-
-
-def _slower(step, seconds: float):
-    """An engine's step that takes `seconds` longer."""
-    def slow():
-        time.sleep(seconds)
-        return step()
-    return slow
 
 
 def _slow_first(step):

@@ -17,7 +17,7 @@ from folio.cluster.launcher import ClusterConfig, FolioCluster  # noqa: E402
 from folio.worker import SamplingParams  # noqa: E402
 from folio.worker.errors import FolioError  # noqa: E402
 from folio.worker.messages import GenerateRequest  # noqa: E402
-from conftest import PROMPTS, wait_for  # noqa: E402
+from conftest import PROMPTS, ray_step_delay, wait_for  # noqa: E402
 
 ENGINE = dict(block_size=8, num_kv_blocks=64, num_cpu_blocks=64, max_model_len=256, preemption_mode="swap")
 TIMEOUT_S = 120
@@ -50,7 +50,7 @@ async def collect(cluster, req, worker_id, on_token=None):
     async for chunk in cluster.router.generate(req, worker_id=worker_id):
         tokens += chunk.deltas[0].token_ids if chunk.deltas else []
         workers.append(chunk.worker_id)
-        if on_token is not None:
+        if on_token is not None and not chunk.finished:
             await on_token(len(tokens))
     return tokens, workers
 
@@ -111,7 +111,11 @@ def test_a_request_moves_between_tp2_workers_and_a_tp1_worker_refuses_it(cluster
         tokens, workers = await asyncio.wait_for(collect(cluster, request("m", tokenizer, PROMPTS[2]), "w0",
                                                          on_token), TIMEOUT_S)
         return tokens, workers, refused
-    tokens, workers, refused = asyncio.run(main())
+    ray_step_delay(cluster.workers["w0"], 0.02)  # its tokens outlast both moves on any CPU
+    try:
+        tokens, workers, refused = asyncio.run(main())
+    finally:
+        ray_step_delay(cluster.workers["w0"], 0)
     assert refused and "tensor-parallel" in str(refused[0]), refused
     assert tokens == ref
     assert workers[0] == "w0" and workers[-1] == "w1"

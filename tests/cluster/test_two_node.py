@@ -53,7 +53,7 @@ from folio.v1 import generate_pb2_grpc as pb_grpc  # noqa: E402
 from folio.worker import LLM, SamplingParams  # noqa: E402
 from folio.worker.messages import GenerateRequest  # noqa: E402
 
-from conftest import PROMPTS, process_running, redis_url_of, wait_for  # noqa: E402
+from conftest import PROMPTS, process_running, ray_step_delay, redis_url_of, wait_for  # noqa: E402
 
 BIN = os.path.dirname(sys.executable)
 ENV = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0",
@@ -347,7 +347,12 @@ def migrate_across_nodes(ns: str, redis_url: str, nodes: dict[str, str], model: 
 
     async def main():
         return await asyncio.wait_for(asyncio.gather(*(run(i) for i in range(len(prompts)))), 180)
-    results = asyncio.run(main())
+    w0 = ray.get_actor(actor_name(ns, src), namespace=ns)
+    ray_step_delay(w0, 0.01)  # 10 ms more a step: the ~190 steps of window last >= 1.9 s on any CPU
+    try:
+        results = asyncio.run(main())
+    finally:
+        ray_step_delay(w0, 0)
     assert [t for t, _ in results] == want  # nothing lost or repeated across the move
     assert any(dst in ws for _, ws in results)  # streams that continued on the other node
     after = worker_stats(ns)
