@@ -10,10 +10,31 @@ heartbeats does not pile onto one worker).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from functools import cached_property
 
 POLICIES = ("round-robin", "least-loaded", "power-of-two", "prefix-aware")
+
+
+@dataclass
+class SentSince:
+    """What the router sent a worker that its last heartbeat may not show yet: send times
+    (non-decreasing) and prompt tokens, with their sum, trimmed from the oldest end."""
+    times: deque = field(default_factory=deque)  # (time.time(), tokens)
+    tokens: int = 0
+
+    def add(self, t: float, n: int) -> None:
+        if self.times and t < self.times[-1][0]:
+            t = self.times[-1][0]  # a wall clock stepped back: keep the order trim() relies on
+        self.times.append((t, n))
+        self.tokens += n
+
+    def trim(self, heartbeat_time: float) -> None:
+        """Drop what was sent at or before `heartbeat_time`: that heartbeat counts it."""
+        times = self.times
+        while times and times[0][0] <= heartbeat_time:
+            self.tokens -= times.popleft()[1]
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,9 @@ import logging
 import random
 import time
 from collections import defaultdict, deque
-from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from folio.cluster.policies import (POLICIES, Candidate, least_loaded, power_of_two, prefix_aware,
+from folio.cluster.policies import (POLICIES, Candidate, SentSince, least_loaded, power_of_two, prefix_aware,
                                     round_robin)
 from folio.cluster.state import ClusterState
 from folio.cluster.worker_client import WorkerClient, WorkerDiedError
@@ -32,27 +31,8 @@ from folio.worker.messages import GenerateRequest, StreamChunk, WorkerLoad
 
 DECISIONS_KEPT = 10_000
 DEAD_HOLD_S = 5.0  # a worker seen dying is skipped this long, whatever Redis still says
+ID_WAIT_S = 5.0  # how long a request waits for its id's request here to end before it is refused
 log = logging.getLogger("folio.router")
-
-
-@dataclass
-class SentSince:
-    """What the router sent a worker that its last heartbeat may not show yet: send times
-    (non-decreasing) and prompt tokens, with their sum, trimmed from the oldest end."""
-    times: deque = field(default_factory=deque)  # (time.time(), tokens)
-    tokens: int = 0
-
-    def add(self, t: float, n: int) -> None:
-        if self.times and t < self.times[-1][0]:
-            t = self.times[-1][0]  # a wall clock stepped back: keep the order trim() relies on
-        self.times.append((t, n))
-        self.tokens += n
-
-    def trim(self, heartbeat_time: float) -> None:
-        """Drop what was sent at or before `heartbeat_time`: that heartbeat counts it."""
-        times = self.times
-        while times and times[0][0] <= heartbeat_time:
-            self.tokens -= times.popleft()[1]
 
 
 class Router:
@@ -67,6 +47,7 @@ class Router:
         self.refresh_s = refresh_s
         self.imbalance = imbalance
         self.hash_seed = hash_seed
+        self.id_wait_s = ID_WAIT_S
         self._rng = random.Random(seed)
         self._counter = 0
         self._loads: dict[str, WorkerLoad] = {}
@@ -77,6 +58,7 @@ class Router:
         self._cands: dict[str, Candidate] = {}  # wid -> its Candidate for this snapshot and sent list
         self._dead: dict[str, tuple[float, float]] = {}  # wid -> (monotonic, wall) time it was seen dying
         self._where: dict[str, str] = {}  # request id -> worker streaming it
+        self._ids: dict[str, asyncio.Event] = {}  # request id -> set when its request here ends
         self.state_error: str | None = None  # why the cluster state is unreachable, while it is
         self.decisions = 0
         # time spent per routing decision, the latest ones (benchmarks): bounded, as everything kept per request
@@ -216,13 +198,14 @@ class Router:
         first worker (operators, tests); otherwise the policy picks."""
         if req.arrival_time is None:
             req.arrival_time = time.time()
+        ended = await self._claim(req.request_id)
         tried: set[str] = set()
         counts: dict[int, int] = {}
         streamed = False
-        wid = worker_id or await self.pick(req)
-        stream = self.client.generate(wid, req)
-        previous: str | None = None
+        stream = previous = None
         try:
+            wid = worker_id or await self.pick(req)
+            stream = self.client.generate(wid, req)
             while True:
                 self._where[req.request_id] = wid
                 try:
@@ -268,7 +251,28 @@ class Router:
                     stream = self.client.attach(wid, req.request_id)
         finally:
             self._where.pop(req.request_id, None)
-            await stream.aclose()  # a caller that went away: the worker aborts the request
+            try:
+                if stream is not None:
+                    await stream.aclose()  # a caller that went away: the worker aborts the request
+            finally:  # the id is free once its stream is closed on the worker too
+                del self._ids[req.request_id]
+                ended.set()
+
+    async def _claim(self, rid: str) -> asyncio.Event:
+        """Hold a request id while its request runs through this router. Another request with
+        the id waits for it to end (a client that cancelled a stream and sent its id again at
+        once), up to ID_WAIT_S, then is refused: two at once ran on two workers, and an abort
+        of the id stopped either."""
+        held = self._ids.get(rid)
+        if held is not None:
+            try:
+                await asyncio.wait_for(held.wait(), self.id_wait_s)
+            except asyncio.TimeoutError:
+                pass
+            if rid in self._ids:  # still running, or another waiter took the id first
+                raise InvalidRequestError(f"request id {rid!r} is already in use")
+        ended = self._ids[rid] = asyncio.Event()
+        return ended
 
     async def abort(self, request_id: str) -> bool:
         """Abort wherever the request runs. A request streamed through another router

@@ -51,6 +51,7 @@ from folio.worker.heartbeat import Heartbeat, LoadPublisher
 from folio.worker.outbox import Outbox, Tombstones
 
 ATTACH_TIMEOUT_S = 10.0  # how long attach() waits for a migrated request to be imported
+LEAVE_WAIT_S = 5.0  # how long a request waits for the abort of its id's last request, whose reader left
 RUNNING_LISTED = 256  # the most running requests running_requests() returns
 log = logging.getLogger("folio.worker")
 
@@ -67,6 +68,7 @@ class EngineWorker(FrontendChannels, Migrations, StepLoop, LoadReports):
         self._moving: dict[str, tuple] = {}  # exported, not yet settled: rid -> (destination, state, move id)
         self._move_ids = itertools.count()
         self._arrivals: dict[str, list[asyncio.Event]] = {}  # attach() waiting for an import: rid -> events
+        self._leaving: dict[str, asyncio.Future] = {}  # rid -> the abort of a request whose reader left
         self.engine: EngineCore | None = None  # built by the step thread (_step_loop), before __init__ returns
         self.heartbeat_s = heartbeat_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -112,6 +114,10 @@ class EngineWorker(FrontendChannels, Migrations, StepLoop, LoadReports):
         if self._draining or self.failed:
             raise UnavailableError(f"worker {self.worker_id} is {'draining' if self._draining else 'failed'}")
         rid = req.request_id
+        if rid in self._leaving:  # its reader left the id's last request: that one's abort goes first, or
+            # the chunks of the steps it ran meanwhile would come to this stream (the id's)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._leaving[rid]), LEAVE_WAIT_S)
         if rid in self._streams:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
         self._streams[rid] = asyncio.Queue()
@@ -186,7 +192,20 @@ class EngineWorker(FrontendChannels, Migrations, StepLoop, LoadReports):
                 del self._streams[rid]
                 self._sent.pop(rid, None)
             if not done:  # the caller went away (cancelled, closed, disconnected): free its blocks
-                self._send(lambda e: e.abort(rid))
+                self._leave(rid)
+
+    def _leave(self, rid: str) -> None:
+        """Abort a request whose reader left; until the step thread has applied it (and every
+        chunk made before it reached the loop), a new request with the id waits (generate)."""
+        left = asyncio.wrap_future(self._send(lambda e: e.abort(rid)), loop=self._loop)
+        self._leaving[rid] = left
+
+        def forget(f: asyncio.Future) -> None:
+            if not f.cancelled():
+                f.exception()  # retrieved: a failed worker's refusal is no one's error
+            if self._leaving.get(rid) is f:
+                del self._leaving[rid]
+        left.add_done_callback(forget)
 
     async def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; its stream ends with finish_reason "abort"."""
