@@ -255,7 +255,8 @@ class Router:
                 if stream is not None:
                     await stream.aclose()  # a caller that went away: the worker aborts the request
             finally:  # the id is free once its stream is closed on the worker too
-                del self._ids[req.request_id]
+                if self._ids.get(req.request_id) is ended:
+                    del self._ids[req.request_id]
                 ended.set()
 
     async def _claim(self, rid: str) -> asyncio.Event:
@@ -269,6 +270,9 @@ class Router:
                 await asyncio.wait_for(held.wait(), self.id_wait_s)
             except asyncio.TimeoutError:
                 pass
+            except RuntimeError:  # held on an event loop that is gone (a router used from several): stale
+                if self._ids.get(rid) is held:
+                    del self._ids[rid]
             if rid in self._ids:  # still running, or another waiter took the id first
                 raise InvalidRequestError(f"request id {rid!r} is already in use")
         ended = self._ids[rid] = asyncio.Event()

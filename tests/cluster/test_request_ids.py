@@ -131,3 +131,23 @@ def test_ids_shared_by_many_clients_run_one_at_a_time(model, offline, tokenizer)
     asyncio.run(main())
     print(outcome)
     assert min(outcome.values()) > 0, outcome  # every path was taken
+
+
+def test_an_id_held_on_an_event_loop_that_is_gone_is_taken(model, offline, tokenizer):
+    """A router used from several event loops (asyncio.run after asyncio.run, as tests and
+    scripts do): an id left held by a request of a loop that is gone is stale, not in use."""
+    a = make_worker(model, "a")
+    router = Router(state=None, client=LocalWorkerClient({"a": a}))
+
+    async def hold():  # an entry bound to this loop, as a request that never closed leaves it
+        ev = router._ids["stale"] = asyncio.Event()
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(ev.wait(), 0.01)
+    asyncio.run(hold())
+
+    async def main():
+        req = GenerateRequest(request_id="stale", prompt_token_ids=tokenizer(PROMPTS[0]).input_ids,
+                              params=SamplingParams(**GREEDY))
+        assert tokens_of([c async for c in router.generate(req, worker_id="a")]) == offline[PROMPTS[0]]
+        assert not router._ids
+    asyncio.run(main())
