@@ -407,6 +407,32 @@ def test_grpc_an_id_cancelled_and_sent_again_at_once_runs(server, stub):
     wait_idle(server)
 
 
+def test_grpc_an_id_in_use_is_refused_whichever_worker_it_would_go_to(server, stub):
+    """Two requests with one id at once through the frontend: the second waits for the first
+    (the router's ID_WAIT_S, 5 s), then is refused INVALID_ARGUMENT "already in use"; once the
+    first is gone the id runs again. (Until 2026-12-06 both ran, on the fixture's two workers,
+    and an Abort of the id stopped either.) The first is held open by its client, which reads
+    nothing through a 1 KiB flow-control window: its handler waits to send its 230 messages."""
+    slow = grpc.insecure_channel(server["grpc"], options=[("grpc.http2.lookahead_bytes", 1024),
+                                                          ("grpc.http2.bdp_probe", 0)])
+    try:
+        first = pb_grpc.GenerationStub(slow).GenerateStream(
+            req(ids=list(range(20, 40)), rid="twice", max_tokens=230, temperature=0, ignore_eos=True, logprobs=20),
+            metadata=AUTH)
+        next(first)
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Generate(req(ids=list(range(20, 30)), rid="twice", max_tokens=4, temperature=0), metadata=AUTH)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "already in use" in e.value.details()
+        assert time.monotonic() - t0 > 4.0  # it waited for the first to end
+        first.cancel()
+    finally:
+        slow.close()
+    got = stub.Generate(req(ids=list(range(20, 30)), rid="twice", max_tokens=4, temperature=0), metadata=AUTH)
+    assert len(got.completions[0].token_ids) == 4
+    wait_idle(server)
+
+
 @pytest.mark.parametrize("request_, fragment", [
     (req(""), "empty"),
     (req(ids=[]), "empty"),
