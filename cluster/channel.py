@@ -189,9 +189,6 @@ class Channel:
                             box.put(item)
                         elif rid in self.draining and terminal(item):
                             self._release(rid)
-                    if len(frame) > 2:  # the worker waits for this frame's readers before its next step
-                        loop = asyncio.get_running_loop()
-                        loop.call_soon(loop.call_soon, data_plane.write_frame, writer, (-1, None))
                 elif self.results is not None and not self.results.done() and frame[1] == self.seq:
                     if frame[0] == "r":
                         self.results.set_result(frame[2])

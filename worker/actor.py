@@ -81,10 +81,6 @@ class EngineWorker(FrontendChannels, Migrations, StepLoop, LoadReports):
         self._outboxes: dict[str, Outbox] = {}  # subscriber -> what waits for its stream
         self._closed: dict[str, None] = {}  # subscribers whose stream closed (bounded, oldest first)
         self._data = DataServer(self._outbox, self._close_subscriber, self.commands)  # frontends over TCP
-        self._quiet_s = float(os.environ.get("FOLIO_STEP_QUIET_MS", "0") or 0) / 1000
-        self._quiet = threading.Event()
-        self._data.on_quiet = self._quiet.set
-        self._data.want_ack = bool(self._quiet_s)
         self._tombstones = Tombstones()  # step thread only
         self._out: list = []  # (request id, item) put by the step thread, delivered once per step
         self._step_thread: threading.Thread | None = None

@@ -115,12 +115,6 @@ class StepLoop:
             q = self._streams.get(rid)
             if q is not None:
                 q.put_nowait(item)
-        if self._quiet_s:  # after the pumps (woken above) wrote their frames
-            self._loop.call_soon(self._quiet_check)
-
-    def _quiet_check(self) -> None:
-        if self._data.unacked <= 0:
-            self._quiet.set()
 
     def _step_loop(self, engine_factory: Callable[[], Any], built: concurrent.futures.Future) -> None:
         # OpenMP's thread count is per OS thread, and a new thread starts from OMP_NUM_THREADS,
@@ -159,11 +153,7 @@ class StepLoop:
                         self._put(out.request_id, _request_error(out.error))
                     else:
                         self._dispatch(out)
-                posted = bool(self._out)
-                self._quiet.clear()
                 self._flush_out()  # one hop to the event loop for the whole step
-                if posted and self._quiet_s:
-                    self._quiet.wait(self._quiet_s)
             else:
                 self._wake.wait(0.05)
                 self._wake.clear()

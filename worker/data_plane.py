@@ -76,9 +76,6 @@ class DataServer:
         self._connections: set[asyncio.Task] = set()
         self._attached: set[str] = set()  # subscribers with a connection (one each)
         self.accepted = 0  # connections that said the token and attached to a subscriber
-        self.unacked = 0
-        self.want_ack = False
-        self.on_quiet: Callable[[], None] | None = None
 
     async def address(self) -> tuple[str, int, str]:
         if self._server is None:
@@ -122,11 +119,6 @@ class DataServer:
             try:
                 while True:
                     seq, batch = await read_frame(reader)
-                    if seq == -1:
-                        self.unacked -= 1
-                        if self.unacked <= 0 and self.on_quiet is not None:
-                            self.on_quiet()
-                        continue
                     try:
                         reply = ("r", seq, await self.apply(subscriber, batch))
                     except Exception as e:  # not one message of it was applied
@@ -145,11 +137,7 @@ class DataServer:
                 await box.ready.wait()
                 batch = box.take()
                 if batch and not gone.done():
-                    if self.want_ack:
-                        self.unacked += 1
-                        write_frame(writer, ("c", batch, 1))
-                    else:
-                        write_frame(writer, ("c", batch))
+                    write_frame(writer, ("c", batch))
                     await writer.drain()  # a slow reader: the outbox merges meanwhile (bounded)
         except ConnectionError:
             pass
