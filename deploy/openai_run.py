@@ -18,9 +18,6 @@ from folio.deploy.text_offsets import TextOffsets
 from folio.worker.detokenizer import PROMPT_CONTEXT
 from folio.worker.sampling_params import SamplingParams
 
-import os
-_QUEUE = os.environ.get("FOLIO_RUN_QUEUE") == "1"
-
 
 class Run:
     """The streams of one API request: one per prompt, each with n completions; admitted whole
@@ -101,13 +98,6 @@ class Run:
                     self.prompt_logprobs[0] = head.prompt_logprobs
                 for d in head.deltas:
                     yield d.index, d
-                if len(gens) == 1 and not _QUEUE:  # one stream: read it here, no task and queue between
-                    async for chunk in gens[0]:
-                        if chunk.prompt_logprobs is not None:
-                            self.prompt_logprobs[0] = chunk.prompt_logprobs
-                        for d in chunk.deltas:
-                            yield d.index, d
-                    return
                 tasks.append(asyncio.create_task(pump(0, gens[0])))
             open_ = len(tasks)
             while open_:
