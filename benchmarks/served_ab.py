@@ -22,7 +22,8 @@ A variant is one of:
 - several joined by '+' (nice=0+pin): applied in that order.
 Every variant starts from the default, so none inherits the one before it. Each round runs the variants in order and then in reverse (A B B A). A run is `folio bench` at
 `streams` concurrent streams of 50 -> 100 tokens (4 requests a stream); its CPU time (user +
-system) is recorded per 1,000 output tokens. Results: benchmarks/results/served_ab.json.
+system, its ~0.5 s of start-up included) and the frontend replica's over the run are recorded
+per 1,000 output tokens. Results: benchmarks/results/served_ab.json.
 """
 
 from __future__ import annotations
@@ -147,19 +148,29 @@ def apply_one(variant: str, workers: dict[int, str]) -> dict:
     return {}
 
 
-def bench(target: str, streams: int, out: str, env: dict | None = None) -> dict:
+def _cpu_s(pid: int | None) -> float:
+    import psutil
+
+    if pid is None:
+        return 0.0
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def bench(target: str, streams: int, out: str, env: dict | None = None, replica: int | None = None) -> dict:
     cmd = [sys.executable, "-m", "folio.deploy.cli", "bench", "--target", target, "--workload", "random",
            "--input-unit", "tokens", "--token-id-range", "16-8000", "--input-len", f"fixed:{spc.PROMPT}",
            "--output-len", f"fixed:{spc.OUTPUT}", "--max-concurrency", str(streams),
            "--num-requests", str(4 * streams), "--quiet", "--out", out]
-    c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    c0, r0 = resource.getrusage(resource.RUSAGE_CHILDREN), _cpu_s(replica)
     subprocess.run(cmd, env=dict(procs.SERVE_ENV, **(env or {})), check=True, capture_output=True)
-    c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    c1, r1 = resource.getrusage(resource.RUSAGE_CHILDREN), _cpu_s(replica)
     s = json.load(open(out))["runs"][0]["summary"]
     cpu = (c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime)
     return {"output_tokens_per_s": round(s["output_throughput"], 1), "tpot_ms_median": round(1e3 * s["tpot_s"]["median"], 1),
             "ttft_ms_median": round(1e3 * s["ttft_s"]["median"], 1),
-            "client_cpu_s_per_1k_tokens": round(1e3 * cpu / s["output_tokens"], 3)}
+            "client_cpu_s_per_1k_tokens": round(1e3 * cpu / s["output_tokens"], 3),  # its start-up included
+            "replica_cpu_s_per_1k_tokens": round(1e3 * (r1 - r0) / s["output_tokens"], 4)}
 
 
 def main() -> int:
@@ -194,7 +205,8 @@ def main() -> int:
                 target, workers, nices = state[v if v in state else ""]
                 env = {} if v.startswith("server:") else apply(v, workers, nices)
                 for n in streams:
-                    res = {"round": r, "variant": v, "streams": n, **bench(target, n, out, env),
+                    replica = next((p for p, m in workers.items() if "ServeReplica" in m), None)
+                    res = {"round": r, "variant": v, "streams": n, **bench(target, n, out, env, replica),
                            "engine_thread_nice": procs.thread_nice(next(p for p, m in workers.items() if "EngineWorker" in m))}
                     runs.append(res)
                     print(json.dumps(res), flush=True)
@@ -207,9 +219,11 @@ def main() -> int:
         for v in variants:
             got = [r["output_tokens_per_s"] for r in runs if r["streams"] == n and r["variant"] == v]
             cpu = [r["client_cpu_s_per_1k_tokens"] for r in runs if r["streams"] == n and r["variant"] == v]
+            rcpu = [r["replica_cpu_s_per_1k_tokens"] for r in runs if r["streams"] == n and r["variant"] == v]
             summary[f"{v} @ {n} streams"] = {"output_tokens_per_s_mean": round(statistics.mean(got), 1),
                                              f"over {variants[0]}": round(statistics.mean(got) / base, 3), "runs": got,
-                                             "client_cpu_s_per_1k_tokens_mean": round(statistics.mean(cpu), 3)}
+                                             "client_cpu_s_per_1k_tokens_mean": round(statistics.mean(cpu), 3),
+                                             "replica_cpu_s_per_1k_tokens_mean": round(statistics.mean(rcpu), 4)}
     doc = {"benchmark": "served_ab", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(["python"] + sys.argv),
            "target": "grpc" if args.grpc else "http", "order": "per round: variants, then reversed (A B B A), one server",
            "summary": summary, "runs": runs}
