@@ -148,14 +148,14 @@ def idle_server(model: str, seconds: float = 10.0) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--variants", default="gil-thread,procs=4,procs=12")
+    ap.add_argument("--variants", default="gil-thread,procs=4,procs=12", help="'' : none (with --idle-server)")
     ap.add_argument("--rounds", type=int, default=2, help="A B B A pairs per variant, halved (2: A B, B A)")
     ap.add_argument("--idle-server", action="store_true")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "wakeup_cost.json"))
     args = ap.parse_args()
     doc = {"benchmark": "wakeup_cost", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
            "command": "python " + " ".join(sys.argv), "cpus": os.cpu_count(),
-           "engine_tok_s": engine_runs(args.model, args.variants.split(","), args.rounds)}
+           "engine_tok_s": engine_runs(args.model, args.variants.split(","), args.rounds) if args.variants else None}
     if args.idle_server:
         doc["idle_folio_serve"] = idle_server(args.model)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
