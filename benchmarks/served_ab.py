@@ -15,6 +15,7 @@ A variant is one of:
   pinned one per CPU in the order they started (as vLLM's VLLM_CPU_OMP_THREADS_BIND pins its
   team), or given every CPU back;
 - client:NAME=VALUE: the load client (`folio bench`) run with NAME=VALUE in its environment;
+- bench:--FLAG=VALUE: the load client run with that flag (bench:--stream-interval=4);
 - server:NAME=VALUE[;NAME=VALUE]: a second `folio serve`, started beside the first with these in
   its environment (settings read once at start, such as GOMP_SPINCOUNT) and idle while the
   other is measured; both come up in the same minutes and stay up, so drift hits both;
@@ -143,6 +144,9 @@ def apply_one(variant: str, workers: dict[int, str]) -> dict:
     elif variant.startswith("client:"):
         name, _, value = variant[len("client:"):].partition("=")
         return {name: value}
+    elif variant.startswith("bench:"):
+        flag, _, value = variant[len("bench:"):].partition("=")
+        return {ARGS: [flag, value]}
     elif variant != "default":
         raise SystemExit(f"unknown variant {variant!r}")
     return {}
@@ -157,13 +161,18 @@ def _cpu_s(pid: int | None) -> float:
     return t.user + t.system
 
 
+ARGS = "--args"  # (in a variant's environment: flags for the load client, not a variable)
+
+
 def bench(target: str, streams: int, out: str, env: dict | None = None, replica: int | None = None) -> dict:
+    env = dict(env or {})
+    extra = env.pop(ARGS, [])
     cmd = [sys.executable, "-m", "folio.deploy.cli", "bench", "--target", target, "--workload", "random",
            "--input-unit", "tokens", "--token-id-range", "16-8000", "--input-len", f"fixed:{spc.PROMPT}",
            "--output-len", f"fixed:{spc.OUTPUT}", "--max-concurrency", str(streams),
-           "--num-requests", str(4 * streams), "--quiet", "--out", out]
+           "--num-requests", str(4 * streams), "--quiet", "--out", out, *extra]
     c0, r0 = resource.getrusage(resource.RUSAGE_CHILDREN), _cpu_s(replica)
-    subprocess.run(cmd, env=dict(procs.SERVE_ENV, **(env or {})), check=True, capture_output=True)
+    subprocess.run(cmd, env=dict(procs.SERVE_ENV, **env), check=True, capture_output=True)
     c1, r1 = resource.getrusage(resource.RUSAGE_CHILDREN), _cpu_s(replica)
     s = json.load(open(out))["runs"][0]["summary"]
     cpu = (c1.ru_utime + c1.ru_stime) - (c0.ru_utime + c0.ru_stime)

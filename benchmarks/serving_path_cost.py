@@ -158,6 +158,9 @@ def run_serve(model, threads=None, grpc: bool = False) -> dict:
 
 def _drive_server(srv: subprocess.Popen, port: int, target: str, ready_s: float = 300) -> dict:
     env = SERVE_ENV
+    # mode+FOLIO_COST_STREAM_INTERVAL=N: the load client asks for N tokens a streamed chunk
+    # (stream_interval, Folio's and vLLM's); the server's own default stays 1
+    interval = os.environ.get("FOLIO_COST_STREAM_INTERVAL")
     try:
         wait_ready(srv, port, ready_s)
         out = os.path.join(tempfile.mkdtemp(), "bench.json")
@@ -166,7 +169,8 @@ def _drive_server(srv: subprocess.Popen, port: int, target: str, ready_s: float 
             bench = [sys.executable, "-m", "folio.deploy.cli", "bench", "--target", target,
                      "--workload", "random", "--input-unit", "tokens", "--token-id-range", "16-8000",
                      "--input-len", f"fixed:{PROMPT}", "--output-len", f"fixed:{OUTPUT}",
-                     "--max-concurrency", str(n), "--quiet", "--out", out]
+                     "--max-concurrency", str(n), "--quiet", "--out", out,
+                     *(["--stream-interval", interval] if interval else [])]
             subprocess.run(bench + ["--num-requests", "4"], env=env, check=True, capture_output=True)  # warm-up
             time.sleep(0.5)  # the workers' counters reach /metrics with their heartbeat (100 ms)
             before, cpu0 = engine_counters(port), cpu_by_role(srv.pid)  # (vLLM: no such counters)

@@ -28,7 +28,7 @@ from folio.cluster.router import Router
 from folio.cluster.state import ClusterState
 from folio.cluster.worker_client import RayWorkerClient
 from folio.deploy.metrics import Metrics
-from folio.deploy.stream_text import StreamText, worker_params
+from folio.deploy.stream_text import StreamInterval, StreamText, worker_params
 from folio.deploy.prompts import Prompts, plain_chat_prompt  # noqa: F401  (plain_chat_prompt: re-exported)
 from folio.worker.errors import InvalidRequestError, OverloadedError
 from folio.worker.messages import GenerateRequest, StreamChunk
@@ -56,6 +56,7 @@ class FrontendConfig:
     metrics_port: int | None = None
     host: str = "0.0.0.0"  # what the gRPC and metrics ports bind (`folio serve --host`)
     max_body_bytes: int = MAX_BODY_BYTES  # an HTTP body above it gets 413
+    stream_interval: int = 1  # tokens per streamed chunk (vLLM's --stream-interval; a request may ask more)
 
     @property
     def model_name(self) -> str:
@@ -191,10 +192,12 @@ class Frontend:
 
     # ---- serving -----------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0,
-                       request_id: str | None = None, admission: Admission | None = None
-                       ) -> AsyncIterator[StreamChunk]:
+                       request_id: str | None = None, admission: Admission | None = None,
+                       stream_interval: int | None = None) -> AsyncIterator[StreamChunk]:
         """Route and stream one prompt (checked and admitted first unless `admission` is given);
-        records the request's metrics. Closing the iterator early aborts the request on its worker."""
+        records the request's metrics. Chunks are merged up to the server's stream interval, or
+        the request's where it asks for more (stream_text.StreamInterval). Closing the iterator
+        early aborts the request on its worker."""
         if admission is None:
             await self.check([prompt_ids], params, priority)
             admission = self.admit(1)
@@ -204,6 +207,7 @@ class Frontend:
         last = None
         reason = None
         text = StreamText(self.tokenizer, prompt_ids, params)  # the worker sends token ids; text is made here
+        interval = StreamInterval(max(self.cfg.stream_interval, stream_interval or 1))
         stream = self.router.generate(GenerateRequest(request_id=rid, prompt_token_ids=prompt_ids,
                                                       params=worker_params(params), priority=priority))
         try:
@@ -221,6 +225,9 @@ class Frontend:
                     m.queue.observe(chunk.queue_s)
                 if chunk.finished:
                     reason = next((d.finish_reason for d in chunk.deltas if d.finish_reason), "stop")
+                chunk = interval.add(chunk)
+                if chunk is None:  # held back: merged into the next one sent
+                    continue
                 yield chunk
                 if chunk.finished and not on_worker:  # ended here (a stop string): closing aborts it there
                     break

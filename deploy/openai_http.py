@@ -144,6 +144,7 @@ async def _start(frontend: Frontend, req, prompts: list[list[int]], params: Samp
         admission.release()
         raise
     run.echo = echo
+    run.stream_interval = req.stream_interval if req.stream else None  # (vLLM ignores it unstreamed too)
     return await respond(frontend, req, run, chat, model)
 
 

@@ -27,6 +27,7 @@ class Run:
                  admission: Admission) -> None:
         self.frontend, self.prompts, self.params, self.priority = frontend, prompts, params, priority
         self.admission = admission
+        self.stream_interval: int | None = None  # the request's own (streamed requests only)
         self.id = uuid.uuid4().hex
         n_prompt = sum(len(p) for p in prompts)
         self.usage = {"prompt_tokens": n_prompt, "completion_tokens": 0, "total_tokens": n_prompt}
@@ -69,8 +70,8 @@ class Run:
         """(choice index, CompletionDelta) as they come, across all prompts."""
         n = self.params.n
         queue: asyncio.Queue = asyncio.Queue()
-        gens = [self.frontend.generate(p, self.params, self.priority, f"{self.id}-{i}", self.admission)
-                for i, p in enumerate(self.prompts)]
+        gens = [self.frontend.generate(p, self.params, self.priority, f"{self.id}-{i}", self.admission,
+                                       self.stream_interval) for i, p in enumerate(self.prompts)]
 
         async def pump(i, gen):
             try:

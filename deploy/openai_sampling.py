@@ -66,6 +66,7 @@ class SamplingRequest(RefusingModel):
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep the prompt's last k tokens (vLLM)
     return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:<id>" (vLLM)
     request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)  # the response's id
+    stream_interval: int | None = Field(None, ge=1)  # vLLM's: tokens per streamed chunk, at least the server's
     # no effect in Folio (module docstring)
     user: str | None = None
     metadata: dict[str, str] | None = None

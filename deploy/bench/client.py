@@ -62,11 +62,12 @@ class LoadShape:
 
 class HttpTarget:
     def __init__(self, url: str, model: str | None, api_key: str | None, ignore_eos: bool,
-                 endpoint: str = "completions") -> None:
+                 endpoint: str = "completions", stream_interval: int | None = None) -> None:
         import aiohttp
 
         self.base = url.rstrip("/")
         self.model, self.ignore_eos = model, ignore_eos
+        self.stream_interval = stream_interval  # vLLM's and Folio's: tokens per streamed chunk
         self.chat = endpoint == "chat"  # /v1/chat/completions: the prompt is one user message
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
@@ -79,6 +80,8 @@ class HttpTarget:
     async def request(self, prompt: str | list[int], max_tokens: int, rec: Record, t0: float) -> None:
         body = {"model": self.model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
                 "stream_options": {"include_usage": True}, "ignore_eos": self.ignore_eos}
+        if self.stream_interval is not None:
+            body["stream_interval"] = self.stream_interval
         if self.chat:
             body["messages"] = [{"role": "user", "content": prompt}]
         else:
@@ -154,13 +157,15 @@ class GrpcTarget:
 
 
 def make_target(url: str, model: str | None, api_key: str | None, ignore_eos: bool = True,
-                endpoint: str = "completions"):
+                endpoint: str = "completions", stream_interval: int | None = None):
     if url.startswith("grpc://"):
         if endpoint != "completions":
             raise ValueError("--endpoint chat needs an http:// target (gRPC has no chat API)")
+        if stream_interval is not None:
+            raise ValueError("--stream-interval needs an http:// target (over gRPC it is the server's)")
         return GrpcTarget(url.removeprefix("grpc://"), api_key, ignore_eos)
     if url.startswith(("http://", "https://")):
-        return HttpTarget(url, model, api_key, ignore_eos, endpoint)
+        return HttpTarget(url, model, api_key, ignore_eos, endpoint, stream_interval)
     raise ValueError(f"a target is grpc://host:port or http://host:port, got {url!r}")
 
 

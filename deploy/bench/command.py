@@ -49,6 +49,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--duration", type=float, default=None, help="seconds after which no new request starts")
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS")
+    p.add_argument("--stream-interval", type=int, default=None,
+                   help="http targets: ask for this many tokens per streamed chunk (vLLM's and Folio's "
+                        "stream_interval; the server's own --stream-interval is the floor)")
     p.add_argument("--slo", default=None, help="goodput SLOs in seconds: ttft=0.5,tpot=0.05,e2e=10")
     p.add_argument("--metrics-url", default=None, help="Folio /metrics (default: TARGET/metrics for http)")
     p.add_argument("--seed", type=int, default=0)
@@ -65,7 +68,7 @@ async def _run(args) -> dict:
     metrics_url = args.metrics_url or (args.target.rstrip("/") + "/metrics" if args.target.startswith("http")
                                        else None)
     target = make_target(args.target, args.model, args.api_key, ignore_eos=not args.no_ignore_eos,
-                         endpoint=args.endpoint)
+                         endpoint=args.endpoint, stream_interval=args.stream_interval)
     if args.endpoint == "chat" and args.input_unit == "tokens":
         raise ValueError("--endpoint chat sends text: --input-unit tokens needs the completions endpoint")
     runs = []

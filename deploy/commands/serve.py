@@ -21,6 +21,13 @@ from folio.deploy.engine_flags import add_engine_flags, engine_kwargs
 from folio.worker.config import SERVER_DEFAULTS, EngineConfig
 
 
+def _at_least_one(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run a Folio cluster: Ray workers, router, coordinator, Redis state")
     p.add_argument("--num-workers", type=int, default=1, help="workers, one per GPU")
@@ -49,6 +56,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="the model's name in the API (default: the checkpoint's); more names are aliases")
     p.add_argument("--max-body-bytes", type=int, default=8 * 2**20,
                    help="the largest HTTP request body accepted; a larger one gets 413")
+    p.add_argument("--stream-interval", type=_at_least_one, default=1,
+                   help="tokens per streamed chunk, as vLLM's: larger values cost the frontend and the "
+                        "clients less per token; the first and last chunks go at once (a request's "
+                        "stream_interval may ask for more)")
     add_engine_flags(p, defaults=SERVER_DEFAULTS)  # the engines run on the workers
     return p
 
@@ -215,7 +226,7 @@ def frontend_config(args, cluster):
                           served_model_name=args.served_model_name, grpc_port=args.grpc_port or None,
                           http_port=args.http_port or None,
                           metrics_port=args.metrics_port or None, host=args.host, max_num_seqs=args.max_num_seqs,
-                          max_body_bytes=args.max_body_bytes)
+                          max_body_bytes=args.max_body_bytes, stream_interval=args.stream_interval)
 
 
 def start_frontends(args, cluster) -> str:

@@ -77,6 +77,19 @@ def test_completions_match_the_offline_engine(server, client):
     wait_idle(server)
 
 
+def test_stream_interval_sends_the_same_tokens_in_fewer_chunks(server, client):
+    """vLLM's stream_interval: each chunk after the first carries at least 4 tokens but the last."""
+    kw = dict(model="tiny", prompt=PROMPTS[0], max_tokens=14, temperature=0, stream=True, logprobs=0)
+    plain = [c for c in client.completions.create(**kw, extra_body={"ignore_eos": True}) if c.choices]
+    merged = [c for c in client.completions.create(**kw, extra_body={"ignore_eos": True, "stream_interval": 4})
+              if c.choices]
+    assert "".join(c.choices[0].text for c in merged) == "".join(c.choices[0].text for c in plain)
+    sizes = [len(c.choices[0].logprobs.tokens) for c in merged]
+    assert sum(sizes) == 14 and all(n >= 4 for n in sizes[1:-1]) and len(sizes) <= 5, sizes
+    assert merged[-1].choices[0].finish_reason == "length" and len(plain) > len(merged)
+    wait_idle(server)
+
+
 def test_completions_n_stop_and_seed(server, client):
     r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=10, temperature=1.0, seed=7, n=2)
     assert sorted(c.index for c in r.choices) == [0, 1] and r.usage.completion_tokens > 10
@@ -213,6 +226,7 @@ def test_http_client_that_disconnects_before_its_first_token_aborts_its_request(
     (dict(prompt="hi", extra_body={"allowed_token_ids": []}), "allowed_token_ids must be a non-empty list"),
     (dict(prompt="hi", extra_body={"allowed_token_ids": [5, 5000]}), "allowed_token_ids must be integers in"),
     (dict(prompt="hi", extra_body={"bad_words": [" "]}), "bad_words must be at most"),
+    (dict(prompt="hi", stream=True, extra_body={"stream_interval": 0}), "stream_interval"),
 ])
 def test_bad_http_input_is_400_in_openai_shape(server, client, kwargs, fragment):
     with pytest.raises(openai.BadRequestError) as e:

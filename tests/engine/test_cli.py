@@ -15,6 +15,18 @@ def test_parser_knows_the_commands():
     assert (args.command, args.arch, args.num_kv_heads) == ("make-tiny-model", "qwen2", 1)
 
 
+def test_serve_stream_interval_is_at_least_one(capsys):
+    assert build_parser().parse_args(["serve", "--model", "m", "--stream-interval", "8"]).stream_interval == 8
+    assert build_parser().parse_args(["serve", "--model", "m"]).stream_interval == 1
+    for bad in ("0", "-3", "two"):
+        try:
+            build_parser().parse_args(["serve", "--model", "m", "--stream-interval", bad])
+        except SystemExit as e:
+            assert e.code == 2 and "--stream-interval" in capsys.readouterr().err
+        else:
+            raise AssertionError(f"--stream-interval {bad} was taken")
+
+
 def test_make_tiny_model_and_generate(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     d = str(tmp_path / "m")
