@@ -71,3 +71,36 @@ def test_tokens_one_a_step_go_first_then_every_interval_then_the_rest():
                                                   finish_reason="length" if t == 9 else None)]) for t in range(10)]
     assert [len(c.deltas[0].token_ids) for c in _send(chunks, 4)] == [1, 4, 4, 1]
     assert [c.deltas[0].text for c in _send(chunks, 4)] == ["0", "1234", "5678", "9"]
+
+
+class _OneTokenASteps:
+    """A router whose worker makes one token a step, `n` in all."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    async def generate(self, req):
+        for t in range(self.n):
+            end = t == self.n - 1
+            yield StreamChunk(request_id=req.request_id, worker_id="w", finished=end,
+                              deltas=[CompletionDelta(index=0, token_ids=[100 + t], text="", num_tokens=t + 1,
+                                                      finish_reason="length" if end else None)])
+
+
+def test_the_frontend_merges_to_the_servers_interval_or_the_requests_when_it_asks_more(model_dirs):
+    import asyncio
+
+    from folio.deploy.frontend import Frontend, FrontendConfig
+    from folio.worker import SamplingParams
+
+    async def sizes(frontend, asked):
+        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        gen = frontend.generate([5, 6, 7], params, admission=frontend.admit(1), stream_interval=asked)
+        return [len(c.deltas[0].token_ids) async for c in gen]
+
+    for server, asked, want in [(1, None, [1] * 10), (3, None, [1, 3, 3, 3]), (3, 2, [1, 3, 3, 3]),
+                                (3, 4, [1, 4, 4, 1]), (1, 4, [1, 4, 4, 1])]:
+        frontend = Frontend(FrontendConfig(model=model_dirs["llama"], redis_url="redis://127.0.0.1:9/0",
+                                           stream_interval=server), router=_OneTokenASteps(10))
+        assert asyncio.run(sizes(frontend, asked)) == want, (server, asked)
+        assert frontend.in_flight == 0

@@ -84,6 +84,8 @@ folio.io/role: head
 - {{ .Values.serve.metricsPort | quote }}
 - --max-num-requests
 - {{ .Values.serve.maxNumRequests | quote }}
+- --stream-interval
+- {{ .Values.serve.streamInterval | quote }}
 {{- if .Values.model.servedModelName }}
 - --served-model-name
 - {{ .Values.model.servedModelName | quote }}
