@@ -41,9 +41,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if len(request.request_id) > MAX_REQUEST_ID_CHARS:
                 raise InvalidRequestError(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
             params = sampling_params(request.sampling)
+            interval = request.stream_interval if request.HasField("stream_interval") else None
+            if interval == 0:
+                raise InvalidRequestError("stream_interval must be at least 1")
             ids = await self._prompt(request)
             params = fit_context(self.frontend.cfg.max_model_len, [ids], params)
-            gen = self.frontend.generate(ids, params, request.priority, request.request_id or None)
+            gen = self.frontend.generate(ids, params, request.priority, request.request_id or None,
+                                         stream_interval=interval)
             try:
                 async for chunk in gen:
                     yield ids, chunk

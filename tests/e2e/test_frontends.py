@@ -361,6 +361,12 @@ def test_grpc_unary_and_stream_match_the_offline_engine(server, stub):
         assert msgs[-1].finished and msgs[-1].usage.completion_tokens == len(want.token_ids)
     info = stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=AUTH)
     assert (info.max_model_len, info.block_size, info.num_workers) == (256, 8, 2)
+    merged = req(PROMPTS[0], max_tokens=12, temperature=0)
+    merged.stream_interval = 4  # vLLM's stream_interval: the same tokens in fewer messages
+    msgs = list(stub.GenerateStream(merged, metadata=AUTH))
+    sizes = [sum(len(d.token_ids) for d in m.deltas) for m in msgs]
+    assert [t for m in msgs for d in m.deltas for t in d.token_ids] == ref[0].token_ids
+    assert all(n >= 4 for n in sizes[1:-1]) and len(sizes) <= 4 and msgs[-1].finished, sizes
     wait_idle(server)
 
 
@@ -458,6 +464,7 @@ def test_grpc_an_id_in_use_is_refused_whichever_worker_it_would_go_to(server, st
     (req("hi", top_p=1.5), "top_p"),
     (req("hi", top_k=-3), "top_k"),
     (req(ids=[10 ** 6]), "token ids"),
+    (pb.GenerateRequest(text="hi", stream_interval=0), "stream_interval"),
 ])
 def test_grpc_bad_input_is_invalid_argument(server, stub, request_, fragment):
     with pytest.raises(grpc.RpcError) as e:
