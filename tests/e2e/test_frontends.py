@@ -131,12 +131,13 @@ def test_logprobs_in_completions_and_chat(server, client):
     assert len(content) == 4 and all(len(t.top_logprobs) == 2 for t in content)
 
 
-def test_http_client_that_disconnects_aborts_its_request(server):
+@pytest.mark.parametrize("interval", [None, 10 ** 9])  # 10**9: after the first chunk nothing is written
+def test_http_client_that_disconnects_aborts_its_request(server, interval):
     import http.client
     import json
 
     body = {"model": "tiny", "prompt": list(range(20, 40)), "max_tokens": 230, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+            "ignore_eos": True, **({"stream_interval": interval} if interval else {})}
     wait_idle(server)
     aborted, generated = metric(server, "folio_requests_total", finish_reason="abort"), generated_tokens(server)
     host, port = server["http"].removeprefix("http://").split(":")
