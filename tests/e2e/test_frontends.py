@@ -86,7 +86,7 @@ def test_stream_interval_sends_the_same_tokens_in_fewer_chunks(server, client):
     assert "".join(c.choices[0].text for c in merged) == "".join(c.choices[0].text for c in plain)
     sizes = [len(c.choices[0].logprobs.tokens) for c in merged]
     assert sum(sizes) == 14 and all(n >= 4 for n in sizes[1:-1]) and len(sizes) <= 5, sizes
-    assert merged[-1].choices[0].finish_reason == "length" and len(plain) > len(merged)
+    assert merged[-1].choices[0].finish_reason == "length"  # (the plain stream may be merged too: a reader behind)
     wait_idle(server)
 
 
