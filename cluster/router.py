@@ -169,7 +169,9 @@ class Router:
             raise UnavailableError("no worker is alive to take the request")
         cands = [self._candidate(w, l) for w, l in loads.items()]
         matches: dict[str, int] = {}
-        if self.policy == "round-robin":
+        if len(cands) == 1:  # nothing to choose: no policy, and no prefix lookup (a Redis round trip)
+            wid = cands[0].worker_id
+        elif self.policy == "round-robin":
             wid = round_robin(cands, self._counter)
             self._counter += 1
         elif self.policy == "least-loaded":
