@@ -75,7 +75,7 @@ def main() -> None:
         import ray
 
         stats = {w: ray.get(h.stats.remote()) for w, h in cluster.workers.items()}
-        coord = ray.get(cluster.coordinator.stats.remote())
+        coord = ray.get(cluster.coordinator.stats.remote()) if cluster.coordinator is not None else None  # 1 worker: none
     finally:
         cluster.shutdown(grace_s=5)
 

@@ -64,7 +64,7 @@ class ClusterConfig:
     torch_threads: int | None = None  # per worker (None: cores / workers)
     heartbeat_s: float = 0.1
     coordinator_interval_s: float = 0.1
-    coordinator: bool = True
+    coordinator: bool = True  # started with two workers or more (a move takes two)
     ready_timeout_s: float = 180.0
     # per worker: the ranks (GPUs) of its tensor-parallel group; None: engine_args' tensor_parallel_size
     tensor_parallel_sizes: list[int] | None = None
@@ -171,7 +171,8 @@ class FolioCluster:
             self.start_worker(f"w{i}", Worker, {**engine_fields, "tensor_parallel_size": tp}, threads)
         self.wait_ready(cfg.num_workers)
         client = RayWorkerClient(cfg.namespace, cfg.namespace)
-        if cfg.coordinator:
+        # one worker: no move can be planned (it takes two), so no coordinator (1.5 % of a core idle)
+        if cfg.coordinator and cfg.num_workers > 1:
             self.coordinator = ray.remote(CoordinatorActor).options(
                 num_cpus=0.05, name=f"{cfg.namespace}-coordinator", namespace=cfg.namespace,
                 **self._lifetime()).remote(

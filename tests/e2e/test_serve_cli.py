@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from folio.cluster.redis_server import EmbeddedRedis
@@ -147,6 +148,9 @@ def test_a_sigterm_to_the_whole_process_group_stops_it_promptly(model_dirs):
         while not any("ready in" in line for line in lines):
             assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
             lines.append(proc.stdout.readline())
+        procs = "\n".join(" ".join(c.cmdline()) for c in psutil.Process(proc.pid).children(recursive=True))
+        # one worker: no coordinator (a move takes two workers; idle, it took 1.5 % of a core)
+        assert "EngineWorker" in procs and "Coordinator" not in procs, procs
         os.killpg(proc.pid, signal.SIGTERM)
         t0 = time.monotonic()
         out, _ = proc.communicate(timeout=60)
