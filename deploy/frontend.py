@@ -236,6 +236,9 @@ class Frontend:
         except Exception as e:
             reason = reason or "error"
             e._folio_counted = True
+            held = interval.flush()
+            if held is not None:  # tokens merged before the error (a worker died) go out first
+                yield held
             raise
         finally:
             # closed here, not left to the garbage collector: closing it is what aborts the

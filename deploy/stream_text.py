@@ -94,7 +94,9 @@ class StreamInterval:
                 now = now or n >= self.every or d.index not in self.started
                 self.started.add(d.index)
             now = now or d.finish_reason is not None
-        if not now:
-            return None
+        return self.flush() if now else None
+
+    def flush(self) -> StreamChunk | None:
+        """Whatever is held back (None if nothing): sent before an error ends the stream."""
         out, self.pending, self.unsent = self.pending, None, {}
         return out

@@ -4,9 +4,11 @@ at the end; each chunk sent carries a completion's first tokens, a finish, or a 
 of some completion's tokens; an interval of 1 sends every chunk as it came."""
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import given, settings
 
 from folio.deploy.stream_text import StreamInterval
+from folio.worker.errors import WorkerFailedError
 from folio.worker.messages import CompletionDelta, StreamChunk
 
 
@@ -76,11 +78,13 @@ def test_tokens_one_a_step_go_first_then_every_interval_then_the_rest():
 class _OneTokenASteps:
     """A router whose worker makes one token a step, `n` in all."""
 
-    def __init__(self, n: int) -> None:
-        self.n = n
+    def __init__(self, n: int, fail_after: int | None = None) -> None:
+        self.n, self.fail_after = n, fail_after
 
     async def generate(self, req):
         for t in range(self.n):
+            if t == self.fail_after:
+                raise WorkerFailedError("worker w failed: killed")
             end = t == self.n - 1
             yield StreamChunk(request_id=req.request_id, worker_id="w", finished=end,
                               deltas=[CompletionDelta(index=0, token_ids=[100 + t], text="", num_tokens=t + 1,
@@ -103,4 +107,28 @@ def test_the_frontend_merges_to_the_servers_interval_or_the_requests_when_it_ask
         frontend = Frontend(FrontendConfig(model=model_dirs["llama"], redis_url="redis://127.0.0.1:9/0",
                                            stream_interval=server), router=_OneTokenASteps(10))
         assert asyncio.run(sizes(frontend, asked)) == want, (server, asked)
+        assert frontend.in_flight == 0
+
+
+def test_tokens_held_back_go_out_before_an_error_ends_the_stream(model_dirs):
+    """A worker that dies mid-stream (after tokens were streamed: WorkerFailedError): the
+    tokens merged but not yet sent reach the client before the error, as with interval 1."""
+    import asyncio
+
+    from folio.deploy.frontend import Frontend, FrontendConfig
+    from folio.worker import SamplingParams
+
+    async def until_error(frontend):
+        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        got = []
+        with pytest.raises(WorkerFailedError):
+            async for c in frontend.generate([5, 6, 7], params, admission=frontend.admit(1), stream_interval=4):
+                got.append(c.deltas[0].token_ids)
+        return got
+
+    for fail_after, want in [(6, [[100], [101, 102, 103, 104], [105]]), (5, [[100], [101, 102, 103, 104]]),
+                             (1, [[100]])]:
+        frontend = Frontend(FrontendConfig(model=model_dirs["llama"], redis_url="redis://127.0.0.1:9/0"),
+                            router=_OneTokenASteps(10, fail_after))
+        assert asyncio.run(until_error(frontend)) == want, fail_after
         assert frontend.in_flight == 0
