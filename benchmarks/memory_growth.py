@@ -24,6 +24,7 @@ import gc
 import json
 import os
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -119,7 +120,7 @@ def run_serve(args) -> dict:
            "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", "0", "--block-size", "16",
            "--num-kv-blocks", "256", "--max-model-len", "512", "--max-num-requests", "1024",
            "--namespace", f"mem{os.getpid()}", "--grace-period-s", "1", "--served-model-name", "m",
-           "--tensor-parallel-size", str(args.tensor_parallel_size)]
+           "--tensor-parallel-size", str(args.tensor_parallel_size), *shlex.split(args.serve_args)]
     srv = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
@@ -246,6 +247,7 @@ def main() -> int:
     ap.add_argument("--tracemalloc", action="store_true", help="inprocess: top growing allocation sites")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="serve: the worker's ranks (followers' RSS "
                     "sampled too)")
+    ap.add_argument("--serve-args", default="", help="serve: more `folio serve` options, e.g. '--stream-interval 4'")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     t0 = time.time()
