@@ -82,9 +82,14 @@ async def _run(args) -> dict:
                               args.request_timeout)
             poller = report.MetricsPoller(metrics_url, api_key=args.api_key)
             await poller.start()
+            cpu0 = time.process_time()  # this client's own CPU over the run (all its threads), start-up left out
             records, wall = await run_load(target, workload, shape, args.seed, progress=not args.quiet)
+            cpu = time.process_time() - cpu0
             folio = await poller.stop()
             summary = report.summarize(records, wall, slo)
+            summary["client_cpu_s"] = cpu  # on one machine, CPU the load tool took from the server
+            summary["client_cpu_s_per_1k_output_tokens"] = 1e3 * cpu / summary["output_tokens"] if summary[
+                "output_tokens"] else None
             summary["folio"] = folio
             run = {"rate": rate, "summary": summary, "timeline": poller.timeline,
                    "records": [vars(r) | {"text": None} for r in records]}

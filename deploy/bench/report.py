@@ -158,6 +158,8 @@ def table(summary: dict) -> str:
             ("output throughput (tok/s)", f"{summary['output_throughput']:.1f}")]
     if summary.get("goodput") is not None:
         rows.append((f"goodput (req/s, {summary['slo']})", f"{summary['goodput']:.2f}"))
+    if summary.get("client_cpu_s_per_1k_output_tokens") is not None:
+        rows.append(("this client's CPU (s / 1k output tokens)", f"{summary['client_cpu_s_per_1k_output_tokens']:.3f}"))
     for key, label in (("ttft_s", "TTFT (ms)"), ("tpot_s", "TPOT (ms)"), ("itl_s", "ITL (ms)"),
                        ("e2e_s", "E2E (ms)"), ("normalized_latency_s", "E2E / token (ms)")):
         d = summary.get(key)

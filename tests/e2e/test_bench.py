@@ -146,6 +146,9 @@ def test_token_id_prompts_have_exactly_the_asked_length(folio_server, tmp_path, 
           "--input-len", "fixed:13", "--token-id-range", "16-200", "--out", str(out), *CAP)
     s = json.loads(out.read_text())["runs"][0]["summary"]
     assert (s["completed"], s["prompt_tokens"]) == (6, 6 * 13), s
+    # the client's own CPU over the run (its start-up left out): some, and no more than it could take
+    assert 0 < s["client_cpu_s"] <= s["duration_s"] * os.cpu_count() + 0.05, s
+    assert s["client_cpu_s_per_1k_output_tokens"] == pytest.approx(1e3 * s["client_cpu_s"] / s["output_tokens"])
 
 
 def test_grpc_target_sweep_sharegpt_plots_and_compare(folio_server, tmp_path):
