@@ -39,7 +39,9 @@ def cpu_by_role(root: int) -> dict:
             t = p.cpu_times()
         except psutil.Error:
             continue
-        role = ("engine worker" if "EngineWorker" in cmd or "EngineCor" in cmd else  # comm: 15 characters
+        # vLLM's engine: its engine core and, on the CPU build, the executor's worker process
+        # that runs the forward (VLLM::Worker; counted with "the rest" before 2026-12-06)
+        role = ("engine worker" if "EngineWorker" in cmd or "EngineCor" in cmd or "VLLM::Worker" in cmd else
                 "frontend replica" if "FolioFrontend" in cmd or "api_server" in cmd else
                 "Ray, Redis, driver (the rest)")
         out[role] = out.get(role, 0.0) + t.user + t.system
