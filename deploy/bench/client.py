@@ -116,7 +116,7 @@ class HttpTarget:
 
 
 class GrpcTarget:
-    def __init__(self, address: str, api_key: str | None, ignore_eos: bool) -> None:
+    def __init__(self, address: str, api_key: str | None, ignore_eos: bool, stream_interval: int | None = None) -> None:
         import grpc
 
         from folio.v1 import generate_pb2_grpc
@@ -125,6 +125,7 @@ class GrpcTarget:
         self.stub = generate_pb2_grpc.GenerationStub(self.channel)
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self.ignore_eos = ignore_eos
+        self.stream_interval = stream_interval  # GenerateRequest.stream_interval (unset: the server's)
         self.model = address
 
     async def resolve_model(self) -> None:
@@ -140,6 +141,8 @@ class GrpcTarget:
         sampling = pb.SamplingParameters(max_tokens=max_tokens, temperature=0.0, ignore_eos=self.ignore_eos)
         req = (pb.GenerateRequest(text=prompt, sampling=sampling) if isinstance(prompt, str) else
                pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=sampling))
+        if self.stream_interval is not None:
+            req.stream_interval = self.stream_interval
         parts = []
         try:
             async for msg in self.stub.GenerateStream(req, metadata=self.metadata):
@@ -161,9 +164,7 @@ def make_target(url: str, model: str | None, api_key: str | None, ignore_eos: bo
     if url.startswith("grpc://"):
         if endpoint != "completions":
             raise ValueError("--endpoint chat needs an http:// target (gRPC has no chat API)")
-        if stream_interval is not None:
-            raise ValueError("--stream-interval needs an http:// target (over gRPC it is the server's)")
-        return GrpcTarget(url.removeprefix("grpc://"), api_key, ignore_eos)
+        return GrpcTarget(url.removeprefix("grpc://"), api_key, ignore_eos, stream_interval)
     if url.startswith(("http://", "https://")):
         return HttpTarget(url, model, api_key, ignore_eos, endpoint, stream_interval)
     raise ValueError(f"a target is grpc://host:port or http://host:port, got {url!r}")

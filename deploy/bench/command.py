@@ -50,8 +50,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS")
     p.add_argument("--stream-interval", type=int, default=None,
-                   help="http targets: ask for this many tokens per streamed chunk (vLLM's and Folio's "
-                        "stream_interval; the server's own --stream-interval is the floor)")
+                   help="ask for this many tokens per streamed chunk (vLLM's and Folio's stream_interval; "
+                        "over gRPC GenerateRequest.stream_interval; the server's own --stream-interval is the floor)")
     p.add_argument("--slo", default=None, help="goodput SLOs in seconds: ttft=0.5,tpot=0.05,e2e=10")
     p.add_argument("--metrics-url", default=None, help="Folio /metrics (default: TARGET/metrics for http)")
     p.add_argument("--seed", type=int, default=0)

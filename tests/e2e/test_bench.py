@@ -151,6 +151,19 @@ def test_token_id_prompts_have_exactly_the_asked_length(folio_server, tmp_path, 
     assert s["client_cpu_s_per_1k_output_tokens"] == pytest.approx(1e3 * s["client_cpu_s"] / s["output_tokens"])
 
 
+@pytest.mark.parametrize("api", ["http", "grpc"])
+def test_a_stream_interval_reaches_the_server_over_either_api(folio_server, tmp_path, api):
+    """--stream-interval 4: 16 tokens come in at most 5 chunks (1, 4, 4, 4, 3), so a record
+    has at most 4 gaps between chunks; every token is counted."""
+    out = tmp_path / "r.json"
+    target = folio_server["http"] if api == "http" else "grpc://" + folio_server["grpc"]
+    bench(folio_server, "--target", target, "--workload", "random", "--num-requests", "4", "--output-len", "fixed:16",
+          "--stream-interval", "4", "--out", str(out), *CAP)
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["summary"]["completed"] == 4 and run["summary"]["output_tokens"] == 4 * 16, run["summary"]
+    assert all(len(r["itl"]) <= 4 for r in run["records"]), [len(r["itl"]) for r in run["records"]]
+
+
 def test_grpc_target_sweep_sharegpt_plots_and_compare(folio_server, tmp_path):
     data = [{"conversations": [{"from": "human", "value": f"question {i} " * 5},
                                {"from": "gpt", "value": "word " * (4 + i)}]} for i in range(4)]
