@@ -319,7 +319,9 @@ def main() -> int:
         runs = [r["result"] for r in doc["runs"] if r["mode"] == mode]
         doc["modes"][mode] = {n: {"output_tokens_per_s": round(sum(r[n]["output_tokens_per_s"] for r in runs)
                                                                   / len(runs), 1)} for n in runs[0]}
-    base = doc["modes"].get("inprocess")
+    # the in-process engine: `inprocess`, or the first `inprocess@N` (a run on N threads only)
+    base = doc["modes"].get("inprocess") or next((v for m, v in doc["modes"].items() if m.startswith("inprocess@")),
+                                                  None)
     if base:
         doc["share_of_inprocess"] = {m: {n: round(v[n]["output_tokens_per_s"] / base[n]["output_tokens_per_s"], 3)
                                          for n in v} for m, v in doc["modes"].items() if not m.startswith("vllm")}
