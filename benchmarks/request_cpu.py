@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "deploy", "proto"))
 from frontend_overhead import RawHttp  # noqa: E402
-from request_timeline import PROMPT, roles  # noqa: E402
+from request_timeline import PROMPT, client_call, roles  # noqa: E402
 from serve_local import start_server, stop_server  # noqa: E402
 
 
@@ -59,16 +59,7 @@ def main() -> int:
                 key = r if r in ("frontend replica", "engine worker", "Redis") else "rest of the server"
                 groups.setdefault(key, []).append(pid)
         if args.api == "grpc":
-            import grpc
-
-            from folio.v1 import generate_pb2 as pb
-            from folio.v1 import generate_pb2_grpc as pbg
-            stub = pbg.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{grpc_port}"))
-            req = pb.GenerateRequest(sampling=pb.SamplingParameters(max_tokens=1, temperature=0, ignore_eos=True))
-            req.token_ids.ids.extend(PROMPT)
-
-            def call():
-                stub.Generate(req)
+            call = client_call("grpc", http, grpc_port)  # request_timeline's: the same request
         else:
             raw = RawHttp(http)
 
