@@ -209,8 +209,13 @@ def main() -> int:
                 with open(os.path.join(raw_dir, f"{name}_{wl}.json"), "w") as f:
                     json.dump(d, f, indent=1)
             doc["workloads"][wl] = points
-        doc["target_met"] = all(p["folio"]["goodput"] >= p["vllm"]["goodput"]
-                                for pts in doc["workloads"].values() for p in pts)
+        # issue #15: goodput >= vLLM's at every rate, and TTFT p50 at 1 req/s <= vLLM's
+        doc["goodput_met"] = all(p["folio"]["goodput"] >= p["vllm"]["goodput"]
+                                 for pts in doc["workloads"].values() for p in pts)
+        at1 = [p for pts in doc["workloads"].values() for p in pts if p["rate"] == 1.0]
+        doc["ttft_at_1rps_met"] = (all(p["folio"]["ttft_s"]["median"] <= p["vllm"]["ttft_s"]["median"] for p in at1)
+                                   if at1 else None)
+        doc["target_met"] = doc["goodput_met"] and doc["ttft_at_1rps_met"] is not False
     finally:
         for p in procs.values():
             stop(p)
