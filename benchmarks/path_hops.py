@@ -1,16 +1,17 @@
 """Where one request's milliseconds go between the hops of `folio serve` (issue #15: the path
 adds < 2 ms over gRPC), timed on one clock across its processes.
 
-    python benchmarks/path_hops.py --model models/tiny-llama-8l [--requests 300] [--runs 1]
-        [--out benchmarks/results/path_hops.json]
+    python benchmarks/path_hops.py --model models/tiny-llama-8l [--api grpc|http] [--requests 300]
+        [--runs 1] [--out benchmarks/results/path_hops.json]
 
-`folio serve --num-workers 1` (its default router), then one-token gRPC `Generate` requests
-(16-token prompt, greedy) one at a time, 2 ms apart. No product code is changed: a
+`folio serve --num-workers 1` (its default router), then one-token requests (16-token prompt,
+greedy) one at a time, 2 ms apart: gRPC `Generate`, or an HTTP completion by a minimal client
+(frontend_overhead.RawHttp: one keep-alive connection, the JSON body, the response parsed). No product code is changed: a
 `sitecustomize` put on PYTHONPATH (which Ray's workers inherit) wraps, as each module is
 imported, the functions at the hops, and each process appends `time.monotonic_ns()` stamps to
 a file of its own (CLOCK_MONOTONIC is one clock for every process of the machine):
 
-    R0 handler      GenerationServicer.Generate entered (replica)
+    R0 handler      GenerationServicer.Generate entered (replica); over HTTP, openai_http.completions
     R2 picked       Router.pick returned
     R3 submit sent  the command frame written to the worker's connection
     W0 frame in     the worker read it (its event loop)
@@ -20,7 +21,8 @@ a file of its own (CLOCK_MONOTONIC is one clock for every process of the machine
     W5 on loop      the step's chunks reach the worker's event loop (_deliver)
     W6 chunk sent   the chunk frame written
     R4 chunk in     the replica read it
-    R6 response     Generate returned (grpc then sends it)
+    R6 response     Generate returned (grpc then sends it); over HTTP, completions returned (then
+                    the response is serialized and sent)
 
 Each request's stamps are read within its client window, and the table gives each stamp's
 p50 offset from the client's send and the p50 of the gaps between consecutive stamps; "path"
@@ -49,6 +51,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "deploy", "proto"))
 # name the frame by its kind (a command batch, a reply, chunks) and the process's role.
 HOOKS = [
     ("folio.deploy.grpc_servicer", "GenerationServicer.Generate", "R0 handler", "R6 response"),
+    ("folio.deploy.openai_http", "completions", "R0 handler", "R6 response"),
     ("folio.cluster.router", "Router.pick", None, "R2 picked"),
     ("folio.worker.data_plane", "write_frame", None, "frame out"),
     ("folio.worker.data_plane", "read_frame", None, "frame in"),
@@ -123,8 +126,9 @@ ORDER = ["R0 handler", "R2 picked", "R3 submit sent", "W0 frame in", "W1 added",
          "R4 reply in", "W4 step end", "W5 on loop", "W6 chunk sent", "R4 chunk in", "R6 response"]
 
 
-def one_run(model: str, requests: int) -> dict:
-    from request_timeline import client_call
+def one_run(model: str, requests: int, api: str = "grpc") -> dict:
+    from frontend_overhead import RawHttp
+    from request_timeline import PROMPT, client_call
     from serve_local import start_server, stop_server
 
     stamps = tempfile.mkdtemp(prefix="folio-hops-")
@@ -144,7 +148,11 @@ def one_run(model: str, requests: int) -> dict:
                 os.environ[k] = v
     windows = []
     try:
-        call = client_call("grpc", http, grpc_port)
+        if api == "grpc":
+            call = client_call("grpc", http, grpc_port)
+        else:
+            raw = RawHttp(http)
+            call = lambda: raw.complete("m", PROMPT)  # noqa: E731
         for _ in range(60):
             call()
         for _ in range(requests):
@@ -181,7 +189,7 @@ def one_run(model: str, requests: int) -> dict:
     if missing or len(files) < 2:
         raise SystemExit(f"stamps missing ({missing}, {len(files)} processes wrote): did PYTHONPATH reach Ray's workers?")
     p50 = {n: round(statistics.median(offsets[n]), 3) for n in ORDER}
-    return {"requests": requests, "client_p50_ms": round(statistics.median(totals), 3),
+    return {"api": api, "requests": requests, "client_p50_ms": round(statistics.median(totals), 3),
             "path_p50_ms": round(statistics.median(paths), 3),
             "step_p50_ms": round(statistics.median([s - r for s, r in zip(offsets["W4 step end"],
                                                                              offsets["W3 step start"])]), 3),
@@ -191,13 +199,14 @@ def one_run(model: str, requests: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
+    ap.add_argument("--api", choices=["grpc", "http"], default="grpc")
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "path_hops.json"))
     args = ap.parse_args()
     runs = []
     for _ in range(args.runs):
-        r = one_run(args.model, args.requests)
+        r = one_run(args.model, args.requests, args.api)
         runs.append(r)
         print(f"client p50 {r['client_p50_ms']:.3f} ms, step {r['step_p50_ms']:.3f}, path (client - step) "
               f"{r['path_p50_ms']:.3f}")
