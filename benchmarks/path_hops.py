@@ -138,15 +138,19 @@ def one_run(model: str, requests: int, api: str = "grpc") -> dict:
     saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "FOLIO_HOPS_DIR")}
     os.environ["FOLIO_HOPS_DIR"] = stamps
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (site, saved["PYTHONPATH"]) if p)
+    windows = []
     try:
         server, http, grpc_port = start_server(model, 1, "--served-model-name", "m")
+    except BaseException:
+        shutil.rmtree(stamps, ignore_errors=True)
+        shutil.rmtree(site, ignore_errors=True)
+        raise
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    windows = []
     try:
         if api == "grpc":
             call = client_call("grpc", http, grpc_port)
@@ -174,7 +178,7 @@ def one_run(model: str, requests: int, api: str = "grpc") -> dict:
     events.sort()
     times = [t for t, _ in events]
     offsets: dict[str, list[float]] = {}
-    totals, paths = [], []
+    totals, paths, steps = [], [], []
     for a, b in windows:
         seen: dict[str, float] = {}
         for t, name in events[bisect.bisect_left(times, a):bisect.bisect_right(times, b)]:
@@ -184,15 +188,15 @@ def one_run(model: str, requests: int, api: str = "grpc") -> dict:
         total = (b - a) / 1e6
         totals.append(total)
         if "W3 step start" in seen and "W4 step end" in seen:
-            paths.append(total - (seen["W4 step end"] - seen["W3 step start"]))
+            steps.append(seen["W4 step end"] - seen["W3 step start"])
+            paths.append(total - steps[-1])
     missing = [n for n in ORDER if n not in offsets]
     if missing or len(files) < 2:
         raise SystemExit(f"stamps missing ({missing}, {len(files)} processes wrote): did PYTHONPATH reach Ray's workers?")
     p50 = {n: round(statistics.median(offsets[n]), 3) for n in ORDER}
     return {"api": api, "requests": requests, "client_p50_ms": round(statistics.median(totals), 3),
             "path_p50_ms": round(statistics.median(paths), 3),
-            "step_p50_ms": round(statistics.median([s - r for s, r in zip(offsets["W4 step end"],
-                                                                             offsets["W3 step start"])]), 3),
+            "step_p50_ms": round(statistics.median(steps), 3),
             "offset_p50_ms": p50, "seen_in": {n: len(offsets[n]) for n in ORDER}}
 
 
