@@ -2,7 +2,7 @@
 adds < 2 ms over gRPC), timed on one clock across its processes.
 
     python benchmarks/path_hops.py --model models/tiny-llama-8l [--api grpc|http] [--requests 300]
-        [--runs 1] [--out benchmarks/results/path_hops.json]
+        [--runs 1] [--fine] [--out benchmarks/results/path_hops.json]
 
 `folio serve --num-workers 1` (its default router), then one-token requests (16-token prompt,
 greedy) one at a time, 2 ms apart: gRPC `Generate`, or an HTTP completion by a minimal client
@@ -14,11 +14,12 @@ a file of its own (CLOCK_MONOTONIC is one clock for every process of the machine
     R0 handler      GenerationServicer.Generate entered (replica); over HTTP, openai_http.completions
     R2 picked       Router.pick returned
     R3 submit sent  the command frame written to the worker's connection
-    W0 frame in     the worker read it (its event loop)
+    W0 frame in     the worker read it (its event loop; since step_io.py, its step thread)
     W1 added        the request added on the step thread (EngineWorker._add)
     W3 step start   LLMEngine.step entered (the forward and sampling, to W4)
     W4 step end     LLMEngine.step returned
-    W5 on loop      the step's chunks reach the worker's event loop (_deliver)
+    W5 on loop      the step's chunks reach the worker's event loop (_deliver; gone since
+                    step_io.py: the step thread sends them itself)
     W6 chunk sent   the chunk frame written
     R4 chunk in     the replica read it
     R6 response     Generate returned (grpc then sends it); over HTTP, completions returned (then
@@ -58,6 +59,20 @@ HOOKS = [
     ("folio.worker.actor_steps", "StepLoop._add", None, "W1 added"),
     ("folio.worker.engine", "LLMEngine.step", "W3 step start", "W4 step end"),
     ("folio.worker.actor_steps", "StepLoop._deliver", "W5 on loop", None),
+    # since the step thread owns the worker's end of the connection (worker/step_io.py)
+    ("folio.worker.actor_channel", "FrontendChannels._apply_frame", "W0 frame in", None),
+    ("folio.worker.step_io", "frame_bytes", None, "frame bytes"),
+]
+
+# --fine: the replica's own steps between the handler and the submit, and between the chunk
+# and the response (each stamp costs ~2-5 us)
+FINE_HOOKS = [
+    ("folio.deploy.frontend", "Frontend.check", "R1a check", "R1b checked"),
+    ("folio.deploy.stream_text", "StreamText.__init__", None, "R1c text ready"),
+    ("folio.cluster.router", "Router._claim", "R1d claim", None),
+    ("folio.cluster.channel", "Channel.send", None, "R2b queued"),
+    ("folio.cluster.channel", "Inbox.put", None, "R5a inbox"),
+    ("folio.deploy.stream_text", "StreamText.apply", "R5b text", None),
 ]
 
 SITE = r'''
@@ -91,6 +106,7 @@ def _wrap(fn, enter, leave):
         if enter: _stamp(enter)
         r = fn(*a, **k)
         if leave == "frame out": _stamp(_frame_name(True, a[1]))
+        elif leave == "frame bytes": _stamp(_frame_name(True, a[0]))
         elif leave: _stamp(leave)
         return r
     return w
@@ -100,7 +116,9 @@ def _patch(mod):
             continue
         owner, parts = mod, qual.split(".")
         for p in parts[:-1]:
-            owner = getattr(owner, p)
+            owner = getattr(owner, p, None)
+        if owner is None or not hasattr(owner, parts[-1]):  # (code before or after that hop existed)
+            continue
         setattr(owner, parts[-1], _wrap(getattr(owner, parts[-1]), enter, leave))
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
@@ -126,7 +144,7 @@ ORDER = ["R0 handler", "R2 picked", "R3 submit sent", "W0 frame in", "W1 added",
          "R4 reply in", "W4 step end", "W5 on loop", "W6 chunk sent", "R4 chunk in", "R6 response"]
 
 
-def one_run(model: str, requests: int, api: str = "grpc") -> dict:
+def one_run(model: str, requests: int, api: str = "grpc", fine: bool = False) -> dict:
     from frontend_overhead import RawHttp
     from request_timeline import PROMPT, client_call
     from serve_local import start_server, stop_server
@@ -134,7 +152,7 @@ def one_run(model: str, requests: int, api: str = "grpc") -> dict:
     stamps = tempfile.mkdtemp(prefix="folio-hops-")
     site = tempfile.mkdtemp(prefix="folio-hops-site-")
     with open(os.path.join(site, "sitecustomize.py"), "w") as f:
-        f.write(SITE % (HOOKS,))
+        f.write(SITE % (HOOKS + (FINE_HOOKS if fine else []),))
     saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "FOLIO_HOPS_DIR")}
     os.environ["FOLIO_HOPS_DIR"] = stamps
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (site, saved["PYTHONPATH"]) if p)
@@ -190,14 +208,15 @@ def one_run(model: str, requests: int, api: str = "grpc") -> dict:
         if "W3 step start" in seen and "W4 step end" in seen:
             steps.append(seen["W4 step end"] - seen["W3 step start"])
             paths.append(total - steps[-1])
-    missing = [n for n in ORDER if n not in offsets]
+    missing = [n for n in ORDER if n not in offsets and n != "W5 on loop"]  # (no W5 since step_io.py)
     if missing or len(files) < 2:
         raise SystemExit(f"stamps missing ({missing}, {len(files)} processes wrote): did PYTHONPATH reach Ray's workers?")
-    p50 = {n: round(statistics.median(offsets[n]), 3) for n in ORDER}
+    order = ORDER + sorted((n for n in offsets if n not in ORDER), key=lambda n: statistics.median(offsets[n]))
+    p50 = {n: round(statistics.median(offsets[n]), 3) for n in order if n in offsets}
     return {"api": api, "requests": requests, "client_p50_ms": round(statistics.median(totals), 3),
             "path_p50_ms": round(statistics.median(paths), 3),
             "step_p50_ms": round(statistics.median(steps), 3),
-            "offset_p50_ms": p50, "seen_in": {n: len(offsets[n]) for n in ORDER}}
+            "offset_p50_ms": p50, "seen_in": {n: len(offsets[n]) for n in order if n in offsets}}
 
 
 def main() -> int:
@@ -206,16 +225,17 @@ def main() -> int:
     ap.add_argument("--api", choices=["grpc", "http"], default="grpc")
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--fine", action="store_true", help="also the replica's own steps (FINE_HOOKS)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "path_hops.json"))
     args = ap.parse_args()
     runs = []
     for _ in range(args.runs):
-        r = one_run(args.model, args.requests, args.api)
+        r = one_run(args.model, args.requests, args.api, args.fine)
         runs.append(r)
         print(f"client p50 {r['client_p50_ms']:.3f} ms, step {r['step_p50_ms']:.3f}, path (client - step) "
               f"{r['path_p50_ms']:.3f}")
         prev = 0.0
-        for n in ORDER:
+        for n in sorted(r["offset_p50_ms"], key=r["offset_p50_ms"].get):
             ms = r["offset_p50_ms"][n]
             print(f"  {ms:8.3f}  (+{ms - prev:6.3f})  {n}")
             prev = ms

@@ -45,10 +45,11 @@ from folio.worker.actor_channel import FrontendChannels
 from folio.worker.actor_load import LoadReports
 from folio.worker.actor_migration import Migrations
 from folio.worker.actor_steps import StepLoop
-from folio.worker.data_plane import DataServer
+from folio.worker.data_plane import MAX_FRAME, DataServer
 from folio.worker.engine_core import EngineCore
 from folio.worker.heartbeat import Heartbeat, LoadPublisher
 from folio.worker.outbox import Outbox, Tombstones
+from folio.worker.step_io import StepIO
 
 ATTACH_TIMEOUT_S = 10.0  # how long attach() waits for a migrated request to be imported
 LEAVE_WAIT_S = 5.0  # how long a request waits for the abort of its id's last request, whose reader left
@@ -72,7 +73,6 @@ class EngineWorker(FrontendChannels, Migrations, StepLoop, LoadReports):
         self.engine: EngineCore | None = None  # built by the step thread (_step_loop), before __init__ returns
         self.heartbeat_s = heartbeat_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
         self._stop = False
         self._draining = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -80,7 +80,9 @@ class EngineWorker(FrontendChannels, Migrations, StepLoop, LoadReports):
         self._sent: dict[str, dict[int, int]] = {}  # request id -> {completion: tokens streamed}
         self._outboxes: dict[str, Outbox] = {}  # subscriber -> what waits for its stream
         self._closed: dict[str, None] = {}  # subscribers whose stream closed (bounded, oldest first)
-        self._data = DataServer(self._outbox, self._close_subscriber, self.commands)  # frontends over TCP
+        # frontends over TCP: the event loop says hello, then the step thread owns the socket
+        self._io = StepIO(self._apply_frame, self._conn_dropped, MAX_FRAME)
+        self._data = DataServer(self._outbox, self._io.adopt)
         self._tombstones = Tombstones()  # step thread only
         self._out: list = []  # (request id, item) put by the step thread, delivered once per step
         self._step_thread: threading.Thread | None = None
@@ -267,7 +269,7 @@ class EngineWorker(FrontendChannels, Migrations, StepLoop, LoadReports):
         """Stop the step and publisher threads and wait for them: a thread still running
         at interpreter exit would die inside the engine's tensors."""
         self._stop = True
-        self._wake.set()
+        self._io.kick()
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout=10)
@@ -276,18 +278,3 @@ class EngineWorker(FrontendChannels, Migrations, StepLoop, LoadReports):
         if self._loop is not None and not self._loop.is_closed():
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 self._loop.call_soon_threadsafe(self._data.close)
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-

@@ -1,6 +1,7 @@
 """Part of EngineWorker (actor.py): a frontend's channel. Its commands (submit, abort,
-attach, close) arrive in ordered batches, over TCP (data_plane.py) or through Ray, and each
-request's chunks go out in its subscriber's Outbox (outbox.py), one frame per wake-up."""
+attach, close) arrive in ordered batches, over TCP (data_plane.py, read by the step thread:
+step_io.py) or through Ray, and each request's chunks go out in its subscriber's Outbox
+(outbox.py), one frame per step."""
 
 from __future__ import annotations
 
@@ -16,16 +17,63 @@ CLOSED_KEPT = 1024  # subscribers whose stream closed: their late submits are re
 
 
 class FrontendChannels:
+    def _apply_frame(self, conn, seq: int, batch) -> None:
+        """(The step thread, between two steps.) A batch read from a frontend's TCP connection,
+        applied here at once; its results go back on the connection before the step runs.
+        A batch that needs the event loop (a grammar to compile off this thread, an attach
+        that waits for an import, a close) goes through `commands` there, and the
+        connection's next batch waits for its reply."""
+        box = conn.box if not conn.box.closed else None  # (closed: its submits are refused, as below)
+        if not _well_formed(batch):
+            conn.push(("e", seq, InvalidRequestError("a malformed command batch: nothing of it was applied")))
+            return
+        if any(kind in ("attach", "close") or kind == "submit" and arg.params.guided is not None
+               for kind, arg in batch):
+            conn.held = True
+
+            def done(f) -> None:
+                try:
+                    reply = ("r", seq, f.result())
+                except Exception as e:
+                    reply = ("e", seq, e)
+                conn.push(reply)
+                conn.held = False
+                self._io.kick()
+            try:
+                asyncio.run_coroutine_threadsafe(self.commands(conn.box.subscriber, batch),
+                                                 self._loop).add_done_callback(done)
+            except RuntimeError as e:  # (no event loop any more)
+                conn.held = False
+                conn.push(("e", seq, UnavailableError(f"worker {self.worker_id} is stopping: {e}")))
+            return
+        results: list = [None] * len(batch)
+        for i, (kind, arg) in enumerate(batch):
+            if kind == "abort":
+                try:
+                    results[i] = self._abort(arg)
+                except Exception:  # (a failed engine)
+                    results[i] = False
+            elif self._open_route(arg, box):
+                try:
+                    self._add(self.engine, arg.request_id, arg,
+                              mono_from_wall(arg.arrival_time) if arg.arrival_time is not None else None)
+                except Exception as err:  # refused: nothing is left behind; the error is its stream's
+                    self._put(arg.request_id, err)
+        conn.push(("r", seq, results))
+        self._flush_out()
+
+    def _conn_dropped(self, conn) -> None:
+        """(The step thread.) A frontend's connection ended: its requests here are aborted."""
+        self._data.attached.discard(conn.box.subscriber)
+        self._close_subscriber(conn.box)
+
     async def commands(self, subscriber: str, batch: list[tuple[str, Any]]) -> list:
         """Apply a frontend's messages in order, all in one pass between two steps:
         ("submit", GenerateRequest), ("abort", request id), ("attach", request id). Each
         request's chunks, or its error, go out on `subscriber`'s stream (subscribe()).
         Returns one result per message (an abort's: whether it found the request)."""
         self._loop = asyncio.get_running_loop()
-        if not isinstance(batch, list) or not all(
-                isinstance(m, tuple) and len(m) == 2 and (m[0] in ("abort", "attach", "close") or
-                                                          m[0] == "submit" and isinstance(m[1], GenerateRequest))
-                for m in batch):
+        if not _well_formed(batch):
             raise InvalidRequestError("a malformed command batch: nothing of it was applied")
         box = self._outbox(subscriber)
         results: list = [None] * len(batch)
@@ -108,7 +156,8 @@ class FrontendChannels:
             if not box.closed:
                 box.put(rid, UnavailableError(f"request {rid!r} never arrived on worker {self.worker_id}"))
             return
-        route = self._streams[rid] = Route(box, rid, self._streams, self._sent)
+        # (its earlier items went through the event loop: the rest follow them there, in order)
+        route = self._streams[rid] = Route(box, rid, self._streams, self._sent, direct=False)
         while not q.empty():
             route.put_nowait(q.get_nowait())
 
@@ -143,9 +192,16 @@ class FrontendChannels:
         self._outboxes.pop(box.subscriber, None)
         self._closed[box.subscriber] = None
         while len(self._closed) > CLOSED_KEPT:
-            del self._closed[next(iter(self._closed))]
-        for rid, sink in list(self._streams.items()):
+            self._closed.pop(next(iter(self._closed)), None)
+        for rid, sink in list(self._streams.items()):  # (the step thread's or the event loop's)
             if isinstance(sink, Route) and sink.box is box:
-                del self._streams[rid]
+                self._streams.pop(rid, None)
                 self._sent.pop(rid, None)
                 self._send(lambda e, rid=rid: self._abort(rid))
+
+
+def _well_formed(batch) -> bool:
+    return isinstance(batch, list) and all(
+        isinstance(m, tuple) and len(m) == 2 and (m[0] in ("abort", "attach", "close") or
+                                                  m[0] == "submit" and isinstance(m[1], GenerateRequest))
+        for m in batch)

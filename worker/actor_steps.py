@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from folio.worker.errors import InvalidRequestError, RequestFailedError, UnavailableError, WorkerFailedError
 from folio.worker.messages import CompletionDelta, FinishReason, GenerateRequest, StreamChunk
+from folio.worker.outbox import Route
 
 log = logging.getLogger("folio.worker")
 WATCH_PERIOD_S = 1.0  # how often the watchdog looks at the step running
@@ -45,7 +46,7 @@ class StepLoop:
     def _send(self, fn: Callable) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((fn, fut))
-        self._wake.set()
+        self._io.kick()
         return fut
 
     async def _call(self, fn: Callable):
@@ -99,9 +100,20 @@ class StepLoop:
             self._post([(rid, item)])
 
     def _flush_out(self) -> None:
+        """The step thread's items to their streams: a request streamed over a TCP connection
+        into its Outbox, which the step thread sends itself; any other's through the event loop."""
         if self._out:
-            items, self._out = self._out, []
-            self._post(items)
+            items, self._out, rest = self._out, [], []
+            for rid, item in items:
+                sink = self._streams.get(rid)
+                if isinstance(sink, Route) and sink.direct and sink.box.conn is not None:
+                    sink.put_nowait(item)
+                else:
+                    rest.append((rid, item))
+            if rest:
+                self._post(rest)
+        if threading.current_thread() is self._step_thread:
+            self._io.flush()
 
     def _post(self, items: list) -> None:
         if self._loop is not None:
@@ -131,12 +143,14 @@ class StepLoop:
         try:
             self.engine = engine = engine_factory()
         except BaseException as e:
+            self._io.close()
             built.set_exception(e)
             return
         built.set_result(None)
         next_beat = 0.0
         while not self._stop:
             self._run_commands()
+            self._io.poll(0, self._queued)  # the frontends' frames that came during the last step
             if self.failed is None and engine.has_unfinished_requests():
                 self._step_started = time.monotonic()
                 try:
@@ -153,14 +167,17 @@ class StepLoop:
                         self._put(out.request_id, _request_error(out.error))
                     else:
                         self._dispatch(out)
-                self._flush_out()  # one hop to the event loop for the whole step
-            else:
-                self._wake.wait(0.05)
-                self._wake.clear()
+                self._flush_out()  # the whole step's chunks: sent from here, or one hop to the event loop
+            else:  # idle: asleep in the selector until a frame, a command or the next beat
+                self._io.poll(0.05, self._queued)
             now = time.monotonic()
             if now >= next_beat:
                 next_beat = now + self.heartbeat_s
                 self._offer_load()
+        self._io.close()
+
+    def _queued(self) -> bool:
+        return not self._commands.empty()
 
     def _dispatch(self, out) -> None:
         sent = self._sent.get(out.request_id)

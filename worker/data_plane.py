@@ -1,13 +1,15 @@
 """The worker's data plane: one TCP connection per (frontend, worker) carries that
 frontend's commands to the worker and every chunk of its requests back, one frame per
-wake-up of the worker's event loop (a step's outputs, as `subscribe()` yields them), with
+step (a step's outputs for that frontend, as `subscribe()` yields them through Ray), with
 no Ray in between. Ray stays for everything else (the address, migrations, the
 coordinator, the lifecycle).
 
-    frontend                                  worker (EngineWorker's event loop)
+    frontend                                  worker
     data_address() (a Ray call) -------->     (host, port, token); the server starts on first use
-    connect, send  HELLO token subscriber\\n   (a line; nothing else is read before it checks out)
-    frame (seq, [(kind, arg), ...]) ---->     EngineWorker.commands, one batch at a time, in order
+    connect, send  HELLO token subscriber\\n   (a line, read by the event loop; nothing else is
+                                              read before it checks out; then the step thread
+                                              owns the socket: step_io.py)
+    frame (seq, [(kind, arg), ...]) ---->     applied between two steps, one batch at a time, in order
     <-- frame ("r", seq, results) | ("e", seq, exception)
     <-- frame ("c", [(request id, StreamChunk | exception), ...])   the subscriber's Outbox
     close (or die) --------------------->     EOF: the subscriber's requests still here are aborted
@@ -23,8 +25,10 @@ this 2-core machine, each one taking a core from the forward's OpenMP threads, w
 barriers then wait for it (benchmarks/data_plane.py, A B B A: the forward of a one-request
 decode step 9.6 ms behind a Ray stream, 7.7 over this connection, 6.4 with its reader in the
 same process; 71 / 21 / 4 context switches per step). And a Ray actor call took ~2 ms to deliver a submit on this machine, a third of a
-one-token request's time outside the engine. Here a frame costs the worker one wake-up of
-its event loop and one send.
+one-token request's time outside the engine. Here a frame costs the worker one send, by the
+step thread between two steps (until 2026-12-06 the event loop read and wrote the
+connection: two more thread hops per request, ~0.55 ms of a one-token request, and a wake-up
+of the loop per step; benchmarks/path_hops.py).
 
 Trust: a connection is accepted only with the token the worker handed out over Ray, so
 whoever can send it commands could already call the worker through Ray; until the hello
@@ -35,13 +39,15 @@ neither read a stream nor push anything into the worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import pickle
 import secrets
+import socket
 import struct
 import sys
-from typing import Awaitable, Callable
+from typing import Callable
 
 from folio.worker.outbox import Outbox
 
@@ -63,92 +69,92 @@ def node_host() -> str:
 
 
 class DataServer:
-    """Serves subscribers over TCP. `open_box(subscriber)` returns its Outbox (None: that
-    subscriber was closed); `apply(subscriber, batch)` runs a batch of its commands and returns
-    their results; `close_box(box)` runs once its connection ends."""
+    """Accepts subscribers over TCP and checks their hello on the event loop, then hands each
+    connection to the step thread (`handoff(sock, leftover bytes, box)`: step_io.py), which
+    reads its commands and writes its chunks from then on. `open_box(subscriber)` returns the
+    subscriber's Outbox (None: that subscriber was closed)."""
 
-    def __init__(self, open_box: Callable[[str], Outbox | None], close_box: Callable[[Outbox], None],
-                 apply: Callable[[str, list], Awaitable[list]]) -> None:
-        self.open_box, self.close_box, self.apply = open_box, close_box, apply
+    def __init__(self, open_box: Callable[[str], Outbox | None],
+                 handoff: Callable[[socket.socket, bytes, Outbox], None]) -> None:
+        self.open_box, self.handoff = open_box, handoff
         self.token = secrets.token_hex(16)
-        self._server: asyncio.base_events.Server | None = None
+        self._listener: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._host = ""
-        self._connections: set[asyncio.Task] = set()
-        self._attached: set[str] = set()  # subscribers with a connection (one each)
+        self._tasks: set[asyncio.Task] = set()
+        self.attached: set[str] = set()  # subscribers with a connection (one each; the step thread drops them)
         self.accepted = 0  # connections that said the token and attached to a subscriber
 
     async def address(self) -> tuple[str, int, str]:
-        if self._server is None:
+        if self._listener is None:
             self._host = node_host()
-            self._server = await asyncio.start_server(self._handle, self._host, 0)
-        return self._host, self._server.sockets[0].getsockname()[1], self.token
+            family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+            lsock = socket.socket(family, socket.SOCK_STREAM)
+            lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            lsock.bind((self._host, 0))
+            lsock.listen(128)
+            lsock.setblocking(False)
+            self._listener = lsock
+            self._loop = asyncio.get_running_loop()
+            self._loop.add_reader(lsock, self._accept, lsock)
+        return self._host, self._listener.getsockname()[1], self.token
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._connections.add(asyncio.current_task())
-        box = None
-        try:
+    def _spawn(self, coro) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    def _accept(self, lsock: socket.socket) -> None:  # (the listener is readable)
+        for _ in range(64):
             try:
-                line = await asyncio.wait_for(reader.readuntil(b"\n"), HELLO_TIMEOUT_S)
-            except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+                sock, _ = lsock.accept()
+            except OSError:  # none waiting (or out of descriptors a moment: readable again soon)
                 return
-            parts = line.split()
-            if (len(line) > MAX_HELLO or len(parts) != 3 or parts[0] != HELLO
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small frames go at once
+            self._spawn(self._hello(sock))
+
+    async def _hello(self, sock: socket.socket) -> None:
+        loop, buf, kept = asyncio.get_running_loop(), bytearray(), False
+        try:
+            async def line() -> None:
+                while b"\n" not in buf and len(buf) <= MAX_HELLO:
+                    data = await loop.sock_recv(sock, 4096)
+                    if not data:
+                        raise ConnectionError("closed before its hello")
+                    buf.extend(data)
+            try:
+                await asyncio.wait_for(line(), HELLO_TIMEOUT_S)
+            except (asyncio.TimeoutError, ConnectionError, OSError):
+                return
+            end = buf.find(b"\n")
+            hello, leftover = bytes(buf[:end + 1]), bytes(buf[end + 1:])
+            parts = hello.split()
+            if (end < 0 or len(hello) > MAX_HELLO or len(parts) != 3 or parts[0] != HELLO
                     or not hmac.compare_digest(parts[1], self.token.encode())):
                 return
             subscriber = parts[2].decode("ascii", "replace")
-            if subscriber in self._attached:  # one connection per subscriber: a second is refused
+            if subscriber in self.attached:  # one connection per subscriber: a second is refused
                 return
             box = self.open_box(subscriber)
             if box is None:  # closed before: its requests were aborted, nothing will come
                 return
-            self._attached.add(subscriber)
+            self.attached.add(subscriber)
             self.accepted += 1
-            await self._pump(box, subscriber, reader, writer)
+            self.handoff(sock, leftover, box)
+            kept = True
         finally:
-            self._connections.discard(asyncio.current_task())
-            if box is not None:
-                self._attached.discard(box.subscriber)
-                self.close_box(box)
-            writer.close()
-
-    async def _pump(self, box: Outbox, subscriber: str, reader: asyncio.StreamReader,
-                    writer: asyncio.StreamWriter) -> None:
-        gone = asyncio.get_running_loop().create_future()
-
-        async def commands() -> None:  # the frontend's batches, applied in order; EOF ends it all
-            try:
-                while True:
-                    seq, batch = await read_frame(reader)
-                    try:
-                        reply = ("r", seq, await self.apply(subscriber, batch))
-                    except Exception as e:  # not one message of it was applied
-                        reply = ("e", seq, e)
-                    write_frame(writer, reply)
-            except (asyncio.IncompleteReadError, ConnectionError, ValueError, TypeError, pickle.UnpicklingError):
-                pass
-            finally:
-                if not gone.done():
-                    gone.set_result(None)
-                box.ready.set()
-
-        reader_task = asyncio.get_running_loop().create_task(commands())
-        try:
-            while not gone.done():
-                await box.ready.wait()
-                batch = box.take()
-                if batch and not gone.done():
-                    write_frame(writer, ("c", batch))
-                    await writer.drain()  # a slow reader: the outbox merges meanwhile (bounded)
-        except ConnectionError:
-            pass
-        finally:
-            reader_task.cancel()
+            if not kept:
+                sock.close()
 
     def close(self) -> None:
-        """Stop listening and end every connection (on the event loop's thread)."""
-        if self._server is not None:
-            self._server.close()
-        for t in list(self._connections):
+        """Stop listening and end the connections still saying hello (on the event loop's
+        thread); the step thread ends the others as it stops."""
+        if self._listener is not None:
+            with contextlib.suppress(Exception):  # (the loop is closed already)
+                self._loop.remove_reader(self._listener)
+            self._listener.close()
+        for t in list(self._tasks):
             t.cancel()
 
 

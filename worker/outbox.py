@@ -15,6 +15,7 @@ request (bounded in count and age); the request then finishes at once with "abor
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import OrderedDict
 
@@ -35,37 +36,52 @@ def _mergeable(a, b) -> bool:
 
 
 class Outbox:
+    """A subscriber's items. Read through Ray (`subscribe`: the event loop waits on `ready`)
+    or over TCP by the step thread (`conn`, step_io.py): then anyone may put, and a put by
+    any thread but the step thread sends at once."""
+
     def __init__(self, subscriber: str) -> None:
         self.subscriber = subscriber
         self.pending: dict[str, list] = {}
         self.ready = asyncio.Event()
         self.closed = False
+        self.lock = threading.RLock()  # (step_io's Conn takes it around take + send)
+        self.conn = None  # step_io.Conn once a TCP connection owns this box
 
     def put(self, rid: str, item) -> None:
-        items = self.pending.setdefault(rid, [])
-        if items and _mergeable(items[-1], item):
-            items[-1] = merge_chunks(items[-1], item)
-        else:
-            items.append(item)
-        self.ready.set()
+        with self.lock:
+            items = self.pending.setdefault(rid, [])
+            if items and _mergeable(items[-1], item):
+                items[-1] = merge_chunks(items[-1], item)
+            else:
+                items.append(item)
+        conn = self.conn
+        if conn is None:
+            self.ready.set()
+        elif threading.get_ident() != conn.owner:  # (the step thread flushes after its step)
+            conn.flush()
 
     def take(self) -> list[tuple[str, object]]:
         self.ready.clear()
-        out = [(rid, item) for rid, items in self.pending.items() for item in items]
-        self.pending = {}
+        with self.lock:
+            out = [(rid, item) for rid, items in self.pending.items() for item in items]
+            self.pending = {}
         return out
 
 
 class Route:
     """The stream-table entry of a request whose chunks go to a subscriber."""
 
-    def __init__(self, box: Outbox, rid: str, streams: dict, sent: dict) -> None:
-        self.box, self.rid, self._streams, self._sent = box, rid, streams, sent
+    def __init__(self, box: Outbox, rid: str, streams: dict, sent: dict, direct: bool = True) -> None:
+        """`direct`: the step thread puts its items here itself (when the box has a TCP
+        connection); False for a route whose earlier items went through the event loop (an
+        import's queue), so that they keep their order."""
+        self.box, self.rid, self._streams, self._sent, self.direct = box, rid, streams, sent, direct
 
     def put_nowait(self, item) -> None:
         self.box.put(self.rid, item)
         if terminal(item) and self._streams.get(self.rid) is self:
-            del self._streams[self.rid]
+            self._streams.pop(self.rid, None)
             self._sent.pop(self.rid, None)
 
 

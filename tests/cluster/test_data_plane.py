@@ -6,6 +6,7 @@ garbage, silence, a second connection for a subscriber) never attach, never stal
 worker and leave nothing behind."""
 
 import asyncio
+import pickle
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -188,6 +189,42 @@ def test_a_silent_connection_is_closed_and_a_real_subscriber_still_streams(worke
         assert (await _idle(w.worker))["num_subscribers"] == 0
 
     w.run(main())
+
+
+def test_the_step_thread_serves_a_connection_while_the_event_loop_stands_still(worker_and_address):
+    """Past its hello, a connection is the step thread's (worker/step_io.py): a submit is
+    applied, its reply and every chunk sent, and closing the connection aborts what still
+    runs, all while the worker's event loop is not running at all."""
+    import socket
+
+    from folio.worker.step_io import FRAME_HEAD, frame_bytes
+
+    w, (host, port, token) = worker_and_address
+    sock = socket.create_connection((host, port))
+    sock.settimeout(30)
+    accepted = w.worker._data.accepted
+    sock.sendall(b" ".join((data_plane.HELLO, token.encode(), b"fe-still")) + b"\n")
+    w.run(until(lambda: w.worker._data.accepted > accepted, "the hello accepted", 10, interval_s=0.01))
+    # the worker's loop stands still from here until the last w.run below
+    req = GenerateRequest(request_id="still", prompt_token_ids=[5, 6, 7], params=SamplingParams(**GREEDY))
+    sock.sendall(frame_bytes((1, [("submit", req)])) +
+                 frame_bytes((2, [("submit", GenerateRequest(request_id="long", prompt_token_ids=[8, 9],
+                                                             params=LONG))])))
+    buf, replies, tokens = bytearray(), {}, 0
+    while tokens < GREEDY["max_tokens"] or len(replies) < 2:
+        buf += sock.recv(1 << 16) or pytest.fail("the worker closed the connection")
+        while len(buf) >= FRAME_HEAD and len(buf) >= FRAME_HEAD + int.from_bytes(buf[:FRAME_HEAD], "big"):
+            n = int.from_bytes(buf[:FRAME_HEAD], "big")
+            frame = pickle.loads(buf[FRAME_HEAD:FRAME_HEAD + n])
+            del buf[:FRAME_HEAD + n]
+            if frame[0] == "c":
+                tokens += sum(len(d.token_ids) for rid, ch in frame[1] if rid == "still" for d in ch.deltas)
+            else:
+                replies[frame[1]] = (frame[0], frame[2])
+    assert tokens == GREEDY["max_tokens"] and replies == {1: ("r", [None]), 2: ("r", [None])}
+    sock.close()  # "long" is still running: the step thread sees EOF and aborts it
+    s = w.run(_idle(w.worker))
+    assert s["num_streams"] == 0 and s["num_subscribers"] == 0
 
 
 class _LoopWorker:
