@@ -108,11 +108,19 @@ class DataServer:
         for _ in range(64):
             try:
                 sock, _ = lsock.accept()
-            except OSError:  # none waiting (or out of descriptors a moment: readable again soon)
+            except BlockingIOError:  # none waiting
+                return
+            except OSError:  # out of descriptors: the listener stays readable, so wait, not spin
+                self._loop.remove_reader(lsock)
+                self._loop.call_later(0.1, self._resume, lsock)
                 return
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # small frames go at once
             self._spawn(self._hello(sock))
+
+    def _resume(self, lsock: socket.socket) -> None:
+        if lsock.fileno() >= 0:
+            self._loop.add_reader(lsock, self._accept, lsock)
 
     async def _hello(self, sock: socket.socket) -> None:
         loop, buf, kept = asyncio.get_running_loop(), bytearray(), False

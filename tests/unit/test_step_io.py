@@ -164,3 +164,35 @@ def test_kick_wakes_a_sleeping_poll_at_once():
     io.poll(5.0, lambda: False)
     assert time.monotonic() - t0 < 2.0
     io.close()
+
+
+def test_out_of_descriptors_the_listener_waits_instead_of_spinning():
+    """accept() failing with EMFILE leaves the listener readable: the data server stops
+    watching it for a moment (a level-triggered reader would spin the event loop) and then
+    watches it again."""
+    import asyncio
+    import errno
+
+    from folio.worker.data_plane import DataServer
+
+    class Full:
+        def __init__(self, real):
+            self.real = real
+
+        def accept(self):
+            raise OSError(errno.EMFILE, "Too many open files")
+
+        def fileno(self):
+            return self.real.fileno()
+
+    async def main():
+        ds = DataServer(lambda sub: None, lambda *a: None)
+        await ds.address()
+        loop, fd = asyncio.get_running_loop(), ds._listener.fileno()
+        ds._accept(Full(ds._listener))
+        assert not loop.remove_reader(fd), "still watched: the loop would spin on it"
+        await asyncio.sleep(0.3)
+        assert loop.remove_reader(fd), "never watched again"
+        ds.close()
+
+    asyncio.run(main())
