@@ -13,8 +13,10 @@ polls its sockets between steps the same way.
 Anyone may put into a connection's Outbox; only the owner (the step thread) reads, and a
 put from another thread (an import's error, the watchdog's) sends at once under the
 connection's lock, so one request's items leave in the order they were put. A reader that
-is behind leaves its bytes in `wbuf`: nothing more is read from it and its chunks merge in
-the Outbox until the socket drains (bounded, as before).
+is behind leaves its bytes in `wbuf` and its chunks merge in the Outbox until the socket
+drains (bounded, as before). Its commands are still read and applied meanwhile: an abort
+never waits behind the chunks of the requests it stops (only past MAX_UNSENT unsent bytes,
+a frontend that sends and never reads, does the step thread stop reading it).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from folio.worker.outbox import Outbox
 FRAME_HEAD = 4
 READ_BYTES = 1 << 18
 READS_PER_POLL = 16  # recv calls a connection gets per poll before the next step
+MAX_UNSENT = 1 << 22  # bytes owed to a connection past which its commands wait (replies pile up)
 
 
 def frame_bytes(obj) -> bytes:
@@ -163,7 +166,8 @@ class StepIO:
                 c.flush()
 
     def _interest(self, c: Conn) -> None:
-        mask = (selectors.EVENT_WRITE if c.wbuf else 0) | (0 if c.held or c.wbuf else selectors.EVENT_READ)
+        full = c.held or len(c.wbuf) > MAX_UNSENT
+        mask = (selectors.EVENT_WRITE if c.wbuf else 0) | (0 if full else selectors.EVENT_READ)
         if mask != c.mask:
             if c.mask and mask:
                 self.sel.modify(c.sock, mask, c)
@@ -191,7 +195,7 @@ class StepIO:
         self._parse(c)
 
     def _parse(self, c: Conn) -> None:
-        while not (c.held or c.wbuf or c.broken) and len(c.rbuf) >= FRAME_HEAD:
+        while not (c.held or c.broken or len(c.wbuf) > MAX_UNSENT) and len(c.rbuf) >= FRAME_HEAD:
             n = int.from_bytes(c.rbuf[:FRAME_HEAD], "big")
             if n > self.max_frame:
                 c.broken = True

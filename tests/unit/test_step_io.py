@@ -196,3 +196,35 @@ def test_out_of_descriptors_the_listener_waits_instead_of_spinning():
         ds.close()
 
     asyncio.run(main())
+
+
+def test_commands_are_applied_while_the_reader_is_behind_until_too_much_is_owed(monkeypatch):
+    """An abort must not wait behind the chunks of the requests it stops: a frontend whose
+    reads lag (bytes owed in `wbuf`) still has its batches applied, and only a frontend that
+    sends and never reads (more than MAX_UNSENT owed) is no longer read."""
+    from folio.worker import step_io
+
+    io, applied, _ = _io()
+    io.apply = lambda c, seq, batch: (applied.append(seq), c.push(("r", seq, [None] * 64)))
+    a, b = _pair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    box = Outbox("s")
+    io.adopt(a, b"", box)
+    io.poll(0, lambda: False)
+    conn = io.conns[0]
+    for step in range(200):  # nobody reads b: bytes are owed
+        box.put(f"r{step}", _chunk(f"r{step}", list(range(50))))
+        io.flush()
+    assert conn.wbuf, "the socket never filled"
+    monkeypatch.setattr(step_io, "MAX_UNSENT", len(conn.wbuf) + 2000)
+    seq = 0
+    while len(conn.wbuf) <= step_io.MAX_UNSENT:
+        seq += 1
+        b.sendall(frame_bytes((seq, [("abort", f"r{seq}")])))
+        io.poll(0.05, lambda: False)
+        assert applied[-1] == seq, "a batch waited behind the chunks owed"
+    b.sendall(frame_bytes((seq + 1, [("abort", "late")])))
+    io.poll(0.05, lambda: False)
+    io.poll(0.05, lambda: False)
+    assert applied[-1] == seq, "read on past MAX_UNSENT: the unsent bytes could grow without bound"
+    io.close()
