@@ -174,9 +174,13 @@ async def connect(host: str, port: int, token: str, subscriber: str):
     return reader, writer
 
 
-def write_frame(writer: asyncio.StreamWriter, obj) -> None:
+def frame_bytes(obj) -> bytes:
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    writer.write(FRAME.pack(len(data)) + data)
+    return FRAME.pack(len(data)) + data
+
+
+def write_frame(writer: asyncio.StreamWriter, obj) -> None:
+    writer.write(frame_bytes(obj))
 
 
 async def read_frame(reader: asyncio.StreamReader):

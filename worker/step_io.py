@@ -27,17 +27,14 @@ import socket
 import threading
 from typing import Callable
 
+from folio.worker.data_plane import FRAME, frame_bytes
 from folio.worker.outbox import Outbox
 
-FRAME_HEAD = 4
+__all__ = ["Conn", "StepIO", "FRAME_HEAD", "frame_bytes"]
+FRAME_HEAD = FRAME.size
 READ_BYTES = 1 << 18
 READS_PER_POLL = 16  # recv calls a connection gets per poll before the next step
 MAX_UNSENT = 1 << 22  # bytes owed to a connection past which its commands wait (replies pile up)
-
-
-def frame_bytes(obj) -> bytes:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    return len(data).to_bytes(FRAME_HEAD, "big") + data
 
 
 class Conn:
