@@ -86,8 +86,7 @@ class Conn:
                 self.broken = True
                 return
             del self.wbuf[:n]
-            if not self.wbuf and self.box.pending:
-                self._send(frame_bytes(("c", self.box.take())))
+            self.flush()  # (the lock is reentrant) what merged in the box while the socket was behind
 
 
 class StepIO:
