@@ -41,6 +41,7 @@ class Inbox:
     def __init__(self) -> None:
         self.items: deque = deque()
         self.ready = asyncio.Event()
+        self.aborted = False  # its abort went out ahead of its stream's close (Channel.abort_soon)
 
     def put(self, item) -> None:
         last = self.items[-1] if self.items else None
@@ -82,9 +83,25 @@ class Channel:
         self.sender = loop.create_task(self._send_loop())
 
     def send(self, msg) -> None:
-        """Queue a message (no await: safe in a `finally`); the sender keeps the order."""
+        """Queue a message (no await: safe in a `finally`); the sender keeps the order. An abort
+        whose request's submit (or attach) is already out goes out at once, alone, in a batch
+        no one waits on (seq 0: its reply is dropped), ahead of what is queued for other
+        requests and while another batch awaits its reply: a client gone must not wait a
+        round trip (and every frame the worker sent before that reply) to stop its request."""
+        if msg[0] == "abort" and self.connected.done() and not self.connected.exception() and \
+                not any(m[0] in ("submit", "attach") and _rid(m) == msg[1] for m, _ in self.outgoing):
+            data_plane.write_frame(self.connected.result(), (0, [msg]))
+            return
         self.outgoing.append((msg, None))
         self.wake.set()
+
+    def abort_soon(self, rid: str) -> None:
+        """Abort `rid` now, ahead of its stream's close (which then sends nothing more): its
+        client is known gone (an HTTP connection lost) while the stream's reader has yet to see it."""
+        box = self.inboxes.get(rid)
+        if box is not None and not box.aborted and self.dead is None and not any(terminal(i) for i in box.items):
+            box.aborted = True
+            self.send(("abort", rid))
 
     async def call(self, msg):
         fut = asyncio.get_running_loop().create_future()
@@ -121,7 +138,8 @@ class Channel:
             if not finished and self.dead is None:  # the reader left: free its blocks
                 if not any(terminal(item) for item in box.items):  # its last item is still to come
                     self._hold(rid)
-                self.send(("abort", rid))
+                if not box.aborted:
+                    self.send(("abort", rid))
 
     def _hold(self, rid: str) -> None:
         if len(self.draining) >= MAX_DRAINING:
@@ -163,7 +181,7 @@ class Channel:
             if fut is not None and not fut.done():
                 fut.set_exception(err)
             elif kind in ("submit", "attach"):
-                rid = arg.request_id if kind == "submit" else arg
+                rid = _rid((kind, arg))
                 box = self.inboxes.get(rid)
                 if box is not None:
                     box.put(err)
@@ -233,3 +251,7 @@ class Channel:
         for t in (self.reader, self.sender):
             if t is not asyncio.current_task() and not t.done():
                 t.cancel()
+
+
+def _rid(msg) -> str:
+    return msg[1].request_id if msg[0] == "submit" else msg[1]

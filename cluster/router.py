@@ -280,6 +280,11 @@ class Router:
         ended = self._ids[rid] = asyncio.Event()
         return ended
 
+    def abort_soon(self, request_id: str) -> None:
+        """Abort a request streamed through this router now, not when its stream is closed."""
+        if (wid := self._where.get(request_id)) is not None:
+            self.client.abort_soon(wid, request_id)
+
     async def abort(self, request_id: str) -> bool:
         """Abort wherever the request runs. A request streamed through another router
         (another frontend replica) is looked for on every live worker."""

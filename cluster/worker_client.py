@@ -34,6 +34,7 @@ class WorkerClient(Protocol):
     def generate(self, wid: str, req: GenerateRequest) -> AsyncIterator[StreamChunk]: ...
     def attach(self, wid: str, request_id: str) -> AsyncIterator[StreamChunk]: ...
     async def abort(self, wid: str, request_id: str) -> bool: ...
+    def abort_soon(self, wid: str, request_id: str) -> None: ...
     async def move(self, src: str, dst: str, request_id: str, preempt: tuple[str, ...] = ()) -> None: ...
     async def running_requests(self, wid: str, min_priority: int | None = None) -> list: ...
 
@@ -109,6 +110,12 @@ class RayWorkerClient:
             return bool(await ch.call(("abort", request_id)))
         return await self.call(wid, "abort", request_id)
 
+    def abort_soon(self, wid: str, request_id: str) -> None:
+        """Abort a request streamed here, without waiting (Channel.abort_soon)."""
+        ch = self._live_channel(wid)
+        if ch is not None:
+            ch.abort_soon(request_id)
+
     async def move(self, src: str, dst: str, request_id: str, preempt: tuple[str, ...] = ()) -> None:
         """Export on `src`, import on `dst`, then announce (module docstring); the state goes
         through the object store (the ObjectRef is passed on, never fetched here)."""
@@ -139,6 +146,9 @@ class LocalWorkerClient:
 
     async def abort(self, wid: str, request_id: str) -> bool:
         return await self._w(wid).abort(request_id)
+
+    def abort_soon(self, wid: str, request_id: str) -> None:
+        """Nothing: in-process streams have no channel to jump (their close aborts them)."""
 
     async def move(self, src: str, dst: str, request_id: str, preempt: tuple[str, ...] = ()) -> None:
         state = await self._w(src).export_request(request_id, dst)

@@ -45,6 +45,13 @@ the same connection behind a stream (HTTP/1.1 pipelining) replaced it, and when 
 left, only the queued request was told; the stream it was behind went on writing into a closed
 socket (28-650 tokens after a reset, in an attack on 2026-12-06). So every earlier cycle still
 under way is told too (`_earlier`).
+
+A client gone. A stream learns that its client left only when the ASGI app's disconnect
+listener wakes and its cancellation reaches the stream's generator: several turns of a busy
+event loop (p50 ~70 ms under 200 streams, cancellation_stress.py, 2026-12-06), in which the
+worker ran on. So a request's handler may list callables under the scope's CLIENT_LOST key,
+called when the connection is lost before the response completed (its requests are aborted
+on their workers at once; openai_run.Run.abort_soon).
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ HEADER_TIMEOUT_S = 30.0
 BODY_TIMEOUT_S = 60.0
 SEND_TIMEOUT_S = 60.0
 MAX_HEAD_BYTES = 64 << 10
+CLIENT_LOST = "folio.client_lost"  # a scope's list of callables: run when its connection is lost mid-response
 
 
 def _closing_answer(status: bytes, message: bytes, code: bytes) -> bytes:
@@ -218,6 +226,11 @@ class _Deadlines:
             self._send_timer.cancel()
             self._send_timer = None
         self._cancel()
+        for c in (*self._earlier, self.cycle):
+            if c is not None and not c.response_complete:
+                for hook in c.scope.get(CLIENT_LOST, ()):
+                    with contextlib.suppress(Exception):  # (a hook's failure must not keep the rest)
+                        hook()
         for c in self._earlier:  # as uvicorn does for the cycle it keeps
             if not c.response_complete:
                 c.disconnected = True

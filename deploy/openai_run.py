@@ -4,12 +4,16 @@ one sequence of (choice index, CompletionDelta), with the request's token usage.
 Choice i is completion i % n of prompt i // n. Admitted whole by the caller (an Admission holding
 a slot per prompt, openai_http.py) and released whole when `events()` ends, however it ends; an
 error in any stream, or a client gone (the events closed early), aborts all of the request's streams.
+A run made inside `aborts_listed_in(hooks)` puts its `abort_soon` in `hooks`: the HTTP server
+calls it when the client's connection is lost, ahead of the events' close (http_deadlines.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
+from contextvars import ContextVar
 from typing import AsyncIterator
 
 from folio.deploy.frontend import Admission, Frontend
@@ -17,6 +21,18 @@ from folio.deploy.openai_logprobs import logprobs_completion, prompt_entries
 from folio.deploy.text_offsets import TextOffsets
 from folio.worker.detokenizer import PROMPT_CONTEXT
 from folio.worker.sampling_params import SamplingParams
+
+CLIENT_LOST: ContextVar[list | None] = ContextVar("folio_client_lost", default=None)
+
+
+@contextlib.contextmanager
+def aborts_listed_in(hooks: list):
+    """Runs made in this context (tasks made in it too) append their `abort_soon` to `hooks`."""
+    token = CLIENT_LOST.set(hooks)
+    try:
+        yield
+    finally:
+        CLIENT_LOST.reset(token)
 
 
 class Run:
@@ -35,6 +51,14 @@ class Run:
         self.prompt_logprobs: dict[int, list] = {}  # echo + logprobs: per prompt, from its first chunk
         self._echo_logprobs: dict[int, asyncio.Future] = {}  # per prompt: its echo's logprobs, formatted
         self._offsets: dict[int, TextOffsets] = {}  # per choice: its text_offset, delta by delta
+        if (hooks := CLIENT_LOST.get()) is not None:
+            hooks.append(self.abort_soon)
+
+    def abort_soon(self) -> None:
+        """Its client is gone: abort each prompt's request on its worker now, without waiting
+        for the events to be closed (they are still closed, as before)."""
+        for i in range(len(self.prompts)):
+            self.frontend.router.abort_soon(f"{self.id}-{i}")
 
     def text_offsets(self, choice: int) -> TextOffsets:
         """The choice's TextOffsets: its generated text decodes after its prompt's tail, as the

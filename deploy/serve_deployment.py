@@ -30,7 +30,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from folio.deploy import openai_http as oai
-from folio.deploy import openai_tokens
+from folio.deploy import http_deadlines, openai_run, openai_tokens
 from folio.deploy.frontend import Frontend, FrontendConfig
 from folio.deploy.openai_errors import http_error
 from folio.deploy.serve_binds import narrow_replica_grpc_bind
@@ -166,7 +166,8 @@ class FolioFrontend:
         try:
             self._auth(request)
             body = await read_json(request, self.frontend.cfg.max_body_bytes)
-            result = await until_client_gone(request, handler(self.frontend, body))
+            with openai_run.aborts_listed_in(request.scope.setdefault(http_deadlines.CLIENT_LOST, [])):
+                result = await until_client_gone(request, handler(self.frontend, body))
         except Exception as e:  # typed errors become their status; anything else a JSON 500
             if generation and (not isinstance(e, oai.HTTPError) or e.status != 401):
                 self.frontend.count_error(e)

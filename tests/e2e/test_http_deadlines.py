@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import struct
 import threading
 import time
 
 import pytest
 
-from folio.deploy.http_deadlines import MAX_HEAD_BYTES
+from folio.deploy.http_deadlines import CLIENT_LOST, MAX_HEAD_BYTES
 from folio.deploy.http_server import HTTPServer
 
 T = 0.5  # both timeouts, in these tests
@@ -23,6 +24,7 @@ MAX_BODY = 1 << 20  # the app's body bound, as `folio serve --max-body-bytes` pa
 class Server:
     def __init__(self, protocol: type) -> None:
         self.disconnects = 0
+        self.lost: list[bool] = []  # one per CLIENT_LOST hook called: had the handler seen the disconnect?
         self.sent_for = 0.0  # how long the last /big response took the app to send
         self.loop = asyncio.new_event_loop()
         ready = threading.Event()
@@ -53,6 +55,8 @@ class Server:
             body += m.get("body", b"")
             if not m.get("more_body"):
                 break
+        if scope["path"].startswith("/hooked"):
+            return await self.hooked(scope, receive, send)
         if scope["path"].startswith("/big/"):  # /big/N: N x 64 KiB streamed, until the client goes
             return await self.big(int(scope["path"][5:]), receive, send)
         if scope["path"].startswith("/blob/"):  # /blob/N: N x 64 KiB in one body, then done
@@ -62,6 +66,21 @@ class Server:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
+
+    async def hooked(self, scope, receive, send) -> None:
+        """/hooked: a stream that lists a CLIENT_LOST hook and ends when its client goes;
+        /hooked-done: a whole response (its hook must never be called). Each call of a hook
+        records whether the handler had seen the disconnect by then."""
+        seen: list = []
+        scope.setdefault(CLIENT_LOST, []).append(lambda: self.lost.append(bool(seen)))
+        if scope["path"] == "/hooked-done":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+            return await send({"type": "http.response.body", "body": b"ok"})
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"data: x\n\n", "more_body": True})
+        assert (await receive())["type"] == "http.disconnect"
+        seen.append(True)
+        self.disconnects += 1
 
     async def big(self, n: int, receive, send) -> None:
         gone = asyncio.ensure_future(receive())  # http.disconnect once the connection is lost
@@ -224,6 +243,25 @@ def test_a_stream_the_client_stops_reading_is_reset_and_its_handler_sees_a_disco
     with server.connect() as s:  # and the server answers the next client
         s.sendall(request())
         assert_answered(s)
+
+
+@pytest.mark.parametrize("how", ["close", "reset"])
+def test_a_connection_lost_mid_response_calls_its_hooks_before_the_handler_sees_it(server, how):
+    """A handler's CLIENT_LOST hooks (how a stream's requests are aborted on their workers)
+    run in the protocol's connection_lost, once, ahead of the handler's own http.disconnect;
+    a response that was whole never calls them."""
+    lost, before = len(server.lost), server.disconnects
+    with server.connect() as s:
+        s.sendall(get("/hooked-done"))
+        assert_answered(s, b"ok")
+        s.sendall(get("/hooked"))
+        got = b""
+        while b"data: x" not in got:
+            got += s.recv(1 << 16)
+        if how == "reset":
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    assert wait_for(lambda: server.disconnects > before), "the handler never saw the client go"
+    assert server.lost[lost:] == [False]
 
 
 @pytest.mark.parametrize("chunks", [160, 512])

@@ -1,0 +1,191 @@
+"""A frontend's channel to a worker (cluster/channel.py) sends a stream's abort at once, even
+while an earlier batch waits for its reply, and never more than once; every abort still goes
+out after its request's submit.
+
+The channel is real, on a real loopback socket with the data plane's own framing; the worker's
+end is scripted (`Peer`: it takes the hello, records each frame, and answers a batch only when
+the test says), so that a batch can be held unanswered, which a real worker never does for
+long; tests/cluster/test_data_plane.py covers the real worker."""
+
+import asyncio
+import contextlib
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from folio.cluster.channel import Channel
+from folio.worker import data_plane
+from folio.worker.messages import GenerateRequest
+from folio.worker.sampling_params import SamplingParams
+
+
+class Peer:
+    def __init__(self) -> None:
+        self.frames: list = []  # (seq, [(kind, arg), ...]) in the order they came
+        self.writer = None
+        self.came = asyncio.Event()
+
+    async def start(self) -> "Peer":
+        self.server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def _conn(self, reader, writer) -> None:
+        await reader.readline()  # the hello
+        self.writer = writer
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                self.frames.append(await data_plane.read_frame(reader))
+                self.came.set()
+
+    async def frame(self, timeout: float = 5.0):
+        """The next frame not yet taken."""
+        async def one():
+            while len(self.frames) <= self._taken:
+                self.came.clear()
+                await self.came.wait()
+        await asyncio.wait_for(one(), timeout)
+        self._taken += 1
+        return self.frames[self._taken - 1]
+    _taken = 0
+
+    def answer(self, seq: int, n: int) -> None:
+        data_plane.write_frame(self.writer, ("r", seq, [None] * n))
+
+    def messages(self) -> list:
+        return [m for _, batch in self.frames for m in batch]
+
+    async def stop(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.server.close()
+
+
+class Client:  # what Channel asks of RayWorkerClient: the worker's data address (a Ray call there)
+    def __init__(self, port: int) -> None:
+        self.port = port
+
+    async def call(self, wid, method, *args):
+        assert method == "data_address"
+        return "127.0.0.1", self.port, "token"
+
+    def forget(self, wid) -> None:
+        pass
+
+
+def _submit(rid: str) -> tuple:
+    return "submit", GenerateRequest(request_id=rid, prompt_token_ids=[1, 2, 3], params=SamplingParams(max_tokens=4))
+
+
+async def _open(ch: Channel, rid: str):
+    """A stream whose submit is queued; its reader waits for its first chunk."""
+    gen = ch.stream(rid, _submit(rid))
+    task = asyncio.ensure_future(gen.__anext__())
+    await asyncio.sleep(0)
+    return gen, task
+
+
+async def _leave(gen, task) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+        await task
+    await gen.aclose()
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 30))
+
+
+def test_an_abort_goes_out_while_a_batch_waits_for_its_reply():
+    async def main():
+        peer = await Peer().start()
+        ch = Channel(Client(peer.port), "w")
+        a = await _open(ch, "a")
+        assert (await peer.frame())[1] == [_submit("a")]  # batch 1, never answered here
+        b = await _open(ch, "b")  # queued behind batch 1's reply (a submit waits for it, as before)
+        await _leave(*a)
+        seq, batch = await peer.frame(timeout=2.0)  # it waited for batch 1's reply until 2026-12-06
+        assert (seq, batch) == (0, [("abort", "a")])
+        peer.answer(1, 1)
+        assert (await peer.frame())[1] == [_submit("b")]
+        await _leave(*b)
+        assert (await peer.frame())[1] == [("abort", "b")]
+        await peer.stop()
+    run(main())
+
+
+def test_abort_soon_sends_one_abort_and_the_close_none():
+    async def main():
+        peer = await Peer().start()
+        ch = Channel(Client(peer.port), "w")
+        a = await _open(ch, "a")
+        seq, _ = await peer.frame()
+        peer.answer(seq, 1)
+        ch.abort_soon("a")
+        ch.abort_soon("a")
+        assert (await peer.frame())[1] == [("abort", "a")]
+        await _leave(*a)  # the reader sees its client gone later: nothing more goes out for "a"
+        c = await _open(ch, "c")
+        assert (await peer.frame())[1] == [_submit("c")]
+        ch.abort_soon("unknown")  # not streamed here: nothing
+        await _leave(*c)
+        assert (await peer.frame())[1] == [("abort", "c")]
+        assert [m for m in peer.messages() if m[0] == "abort"] == [("abort", "a"), ("abort", "c")]
+        await peer.stop()
+    run(main())
+
+
+OPS = st.lists(st.one_of(st.tuples(st.sampled_from(["open", "leave", "soon"]), st.integers(0, 5)),
+                         st.just(("answer", 0))), max_size=30)
+
+
+@settings(max_examples=60, deadline=None)
+@given(OPS)
+def test_any_interleaving_sends_each_abort_once_and_after_its_submit(ops):
+    """Streams opened, left and aborted early in any order, the worker's replies coming at any
+    point: each request left gets exactly one abort, after its submit; none is sent for the rest."""
+    async def main():
+        peer = await Peer().start()
+        ch = Channel(Client(peer.port), "w")
+        streams: dict[int, tuple] = {}
+        left: set[str] = set()
+        opened: list[str] = []
+        answered = 0
+        for op, k in ops:
+            if op == "open" and k not in streams:
+                rid = f"r{len(opened)}"
+                opened.append(rid)
+                streams[k] = (rid, *await _open(ch, rid))
+            elif op == "leave" and k in streams:
+                rid, gen, task = streams.pop(k)
+                await _leave(gen, task)
+                left.add(rid)
+            elif op == "soon" and k in streams:
+                ch.abort_soon(streams[k][0])
+                left.add(streams[k][0])
+            elif op == "answer":
+                await asyncio.sleep(0.01)
+                for seq, batch in peer.frames[answered:]:
+                    if seq:
+                        peer.answer(seq, len(batch))
+                answered = len(peer.frames)
+            await asyncio.sleep(0)
+        for rid, gen, task in streams.values():
+            await _leave(gen, task)
+            left.add(rid)
+        for _ in range(100):  # answer whatever is still waiting until every abort is out
+            await asyncio.sleep(0.01)
+            for seq, batch in peer.frames[answered:]:
+                if seq:
+                    peer.answer(seq, len(batch))
+            answered = len(peer.frames)
+            if sum(m[0] == "abort" for m in peer.messages()) == len(left):
+                break
+        msgs = peer.messages()
+        for rid in opened:
+            aborts = [i for i, m in enumerate(msgs) if m == ("abort", rid)]
+            submits = [i for i, m in enumerate(msgs) if m[0] == "submit" and m[1].request_id == rid]
+            assert len(aborts) == (rid in left), (rid, msgs)
+            assert not aborts or (submits and submits[0] < aborts[0]), (rid, msgs)
+        await peer.stop()
+    run(main())
