@@ -88,8 +88,10 @@ class Channel:
         no one waits on (seq 0: its reply is dropped), ahead of what is queued for other
         requests and while another batch awaits its reply: a client gone must not wait a
         round trip (and every frame the worker sent before that reply) to stop its request."""
-        if msg[0] == "abort" and self.connected.done() and not self.connected.exception() and \
-                not any(m[0] in ("submit", "attach") and _rid(m) == msg[1] for m, _ in self.outgoing):
+        if msg[0] == "abort" and self.dead is None and self.connected.done() and not self.connected.exception() \
+                and not self.connected.result().is_closing() \
+                and not any(m[0] in ("submit", "attach") and _rid(m) == msg[1] for m, _ in self.outgoing):
+            # (closing: the worker reset it, and the reader has yet to see it: uvloop raises on a write)
             data_plane.write_frame(self.connected.result(), (0, [msg]))
             return
         self.outgoing.append((msg, None))

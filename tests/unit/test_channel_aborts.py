@@ -135,6 +135,25 @@ def test_abort_soon_sends_one_abort_and_the_close_none():
     run(main())
 
 
+def test_leaving_after_the_connection_closed_under_the_channel_does_not_raise():
+    """uvloop (Ray's loop) raises on a write to a closed transport: a stream left between the
+    connection's loss and its reader seeing it must not raise from its close."""
+    import uvloop
+
+    async def main():
+        peer = await Peer().start()
+        ch = Channel(Client(peer.port), "w")
+        a = await _open(ch, "a")
+        seq, _ = await peer.frame()
+        peer.answer(seq, 1)
+        await asyncio.sleep(0.05)
+        ch.connected.result().transport.abort()  # closed at once; the reader learns it a turn later
+        await _leave(*a)
+        await peer.stop()
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as r:
+        r.run(asyncio.wait_for(main(), 30))
+
+
 OPS = st.lists(st.one_of(st.tuples(st.sampled_from(["open", "leave", "soon"]), st.integers(0, 5)),
                          st.just(("answer", 0))), max_size=30)
 
