@@ -85,6 +85,16 @@ async def _open(ch: Channel, rid: str):
     return gen, task
 
 
+async def _answered(rid: str):
+    """A peer, a channel to it, and a stream on it whose submit's batch has been answered."""
+    peer = await Peer().start()
+    ch = Channel(Client(peer.port), "w")
+    stream = await _open(ch, rid)
+    seq, _ = await peer.frame()
+    peer.answer(seq, 1)
+    return peer, ch, stream
+
+
 async def _leave(gen, task) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
@@ -116,11 +126,7 @@ def test_an_abort_goes_out_while_a_batch_waits_for_its_reply():
 
 def test_abort_soon_sends_one_abort_and_the_close_none():
     async def main():
-        peer = await Peer().start()
-        ch = Channel(Client(peer.port), "w")
-        a = await _open(ch, "a")
-        seq, _ = await peer.frame()
-        peer.answer(seq, 1)
+        peer, ch, a = await _answered("a")
         ch.abort_soon("a")
         ch.abort_soon("a")
         assert (await peer.frame())[1] == [("abort", "a")]
@@ -141,11 +147,7 @@ def test_leaving_after_the_connection_closed_under_the_channel_does_not_raise():
     import uvloop
 
     async def main():
-        peer = await Peer().start()
-        ch = Channel(Client(peer.port), "w")
-        a = await _open(ch, "a")
-        seq, _ = await peer.frame()
-        peer.answer(seq, 1)
+        peer, ch, a = await _answered("a")
         await asyncio.sleep(0.05)
         ch.connected.result().transport.abort()  # closed at once; the reader learns it a turn later
         await _leave(*a)
