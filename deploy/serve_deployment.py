@@ -28,6 +28,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from folio.deploy import openai_http as oai
 from folio.deploy import http_deadlines, openai_run, openai_tokens
@@ -72,12 +73,15 @@ async def read_json(request: Request, limit: int):
         raise oai.HTTPError(413, f"the body is larger than the limit of {limit} bytes", "invalid_request_error",
                             "body_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise oai.HTTPError(413, f"the body is larger than the limit of {limit} bytes",
-                                "invalid_request_error", "body_too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise oai.HTTPError(413, f"the body is larger than the limit of {limit} bytes",
+                                    "invalid_request_error", "body_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone mid-body: not an error of the server's (nor counted as one)
+        raise ClientGone() from None
     raw = b"".join(chunks)
     try:  # a large body parses off the event loop, like tokenization
         body = json.loads(raw) if size < 2**16 else await asyncio.to_thread(json.loads, raw)

@@ -210,6 +210,31 @@ def test_http_client_that_disconnects_before_its_first_token_aborts_its_request(
         assert generated_tokens(server) - generated < 230, stream
 
 
+def test_http_client_gone_mid_body_is_no_error_of_the_server(server):
+    """A client that sends half its body and resets: its handler sees the connection gone while
+    reading the body. Nothing ran; finish_reason="error" (the server's failures) must not count it
+    (it did: a client could inflate the error rate at will)."""
+    import json
+    import socket
+    import struct
+
+    errors = metric(server, "folio_requests_total", finish_reason="error")
+    body = json.dumps({"model": "tiny", "prompt": list(range(20, 40)), "max_tokens": 8}).encode()
+    host, port = server["http"].removeprefix("http://").split(":")
+    for _ in range(5):
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(f"POST /v1/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {KEY}\r\n"
+                      f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+                      + body[: len(body) // 2])
+            time.sleep(0.1)  # the handler is reading the body
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    ok = openai.OpenAI(base_url=server["http"] + "/v1", api_key=KEY).completions.create(
+        model="tiny", prompt=[1, 2, 3], max_tokens=2)  # the server answers the next client
+    assert ok.usage.completion_tokens == 2
+    time.sleep(0.3)
+    assert metric(server, "folio_requests_total", finish_reason="error") == errors
+
+
 @pytest.mark.parametrize("kwargs, fragment", [
     (dict(prompt=""), "empty"),
     (dict(prompt="x " * 400), "max_model_len"),
