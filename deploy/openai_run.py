@@ -4,8 +4,9 @@ one sequence of (choice index, CompletionDelta), with the request's token usage.
 Choice i is completion i % n of prompt i // n. Admitted whole by the caller (an Admission holding
 a slot per prompt, openai_http.py) and released whole when `events()` ends, however it ends; an
 error in any stream, or a client gone (the events closed early), aborts all of the request's streams.
-A run made inside `aborts_listed_in(hooks)` puts its `abort_soon` in `hooks`: the HTTP server
-calls it when the client's connection is lost, ahead of the events' close (http_deadlines.py).
+A run made inside `aborts_listed_in(hooks)` puts its `abort_soon` in `hooks` until its events
+end: the HTTP server calls it when the client's connection is lost, ahead of the events' close
+(http_deadlines.py). (uvicorn keeps a connection's last request, and so its hooks, until the next.)
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ class Run:
         self.prompt_logprobs: dict[int, list] = {}  # echo + logprobs: per prompt, from its first chunk
         self._echo_logprobs: dict[int, asyncio.Future] = {}  # per prompt: its echo's logprobs, formatted
         self._offsets: dict[int, TextOffsets] = {}  # per choice: its text_offset, delta by delta
-        if (hooks := CLIENT_LOST.get()) is not None:
-            hooks.append(self.abort_soon)
+        self._hooks = CLIENT_LOST.get()  # kept by the connection's request: left when the events end
+        if self._hooks is not None:
+            self._hooks.append(self.abort_soon)
 
     def abort_soon(self) -> None:
         """Its client is gone: abort each prompt's request on its worker now, without waiting
@@ -142,6 +144,9 @@ class Run:
                     await g.aclose()
             finally:
                 self.admission.release()
+                if self._hooks is not None:  # the connection keeps its last request: not this run
+                    with contextlib.suppress(ValueError):
+                        self._hooks.remove(self.abort_soon)
 
     def count(self, d) -> None:
         self.usage["completion_tokens"] += len(d.token_ids)
