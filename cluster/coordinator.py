@@ -83,6 +83,10 @@ class Coordinator:
             self.num_failed_moves += 1
             log.info("move of %s from %s to %s failed: %s", m.request_id, m.source, m.destination, e)
             return False
+        except Exception:  # a fault of one move is logged; the round's other moves stand
+            self.num_failed_moves += 1
+            log.exception("move of %s from %s to %s failed", m.request_id, m.source, m.destination)
+            return False
         self.num_moves += 1
         self.num_preempted += len(m.preempt)
         return True

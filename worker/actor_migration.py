@@ -25,7 +25,10 @@ class Migrations:
         stalled on the refusal). Unsettled after MOVE_TIMEOUT_S, it resumes here."""
         self._loop = asyncio.get_running_loop()
         state = await self._call(lambda e: self._export(request_id, destination))
-        token = self._moving[request_id][2]
+        moving = self._moving.get(request_id)
+        if moving is None or moving[1] is not state:  # its abort came between (its reader left): it is gone
+            raise InvalidRequestError(f"request {request_id!r} was aborted while it was exported")
+        token = moving[2]
         self._loop.call_later(MOVE_TIMEOUT_S, lambda: self._loop.create_task(self._expire_move(request_id, token)))
         return state
 

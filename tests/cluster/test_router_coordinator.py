@@ -6,6 +6,7 @@ import asyncio
 import time
 
 from folio.cluster.coordinator import Coordinator
+from folio.cluster.placement import Move
 from folio.cluster.redis_server import EmbeddedRedis
 from folio.cluster.router import Router
 from folio.cluster.state import ClusterState, WorkerPublisher
@@ -212,3 +213,50 @@ def _slow_first(step):
             time.sleep(1.0)
         return step()
     return slow
+
+
+def test_an_abort_between_the_export_and_its_settling_fails_the_move_cleanly(model, tokenizer):
+    """The request's abort (its reader left) is applied right after its export on the source,
+    before the export's caller looked the move up: the move fails as a FolioError (the
+    request is gone) and leaves nothing on either worker. It raised KeyError (the move's
+    record, popped by the abort), which failed the coordinator's whole round (an attack of
+    60 stalled gRPC streams, 2026-12-06: 4 rounds in 4 runs); and a coordinator now logs a
+    move's unexpected error and goes on with the round's others."""
+    params = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
+    a, b = make_worker(model, "a"), make_worker(model, "b")
+    step_delay(a, 0.01)
+    client = LocalWorkerClient({"a": a, "b": b})
+    export = a._export
+
+    def export_then_abort(rid, destination):  # (on a's step thread, as the abort would be next)
+        state = export(rid, destination)
+        assert a._abort(rid)
+        return state
+    a._export = export_then_abort
+
+    async def main():
+        stream = a.generate(GenerateRequest(request_id="m", prompt_token_ids=tokenizer(PROMPTS[0]).input_ids,
+                                            params=params))
+        await stream.__anext__()
+        try:
+            await client.move("a", "b", "m")
+        except FolioError as e:
+            assert "aborted while it was exported" in str(e)
+        else:
+            raise AssertionError("the move of an aborted request succeeded")
+        rest = [c async for c in stream]
+        assert rest[-1].finished and rest[-1].deltas[0].finish_reason == "abort"
+        for w in (a, b):
+            st = await w.stats()
+            assert st["num_free_blocks"] == st["num_kv_blocks"] and st["num_streams"] == 0
+            assert st["num_running"] == 0 and st["num_migrations_in"] == 0
+            await w.check_invariants()
+        assert not a._moving
+
+        class Faulty:  # a move that fails with an error no worker meant
+            async def move(self, *args):
+                raise KeyError("m")
+        coord = Coordinator(None, Faulty())
+        assert await coord._move(Move("m", "a", "b", (), 1)) is False
+        assert coord.num_failed_moves == 1
+    asyncio.run(main())
