@@ -71,7 +71,7 @@ class StepLoop:
                     fut.set_result(result)
 
     def _add(self, e, rid: str, req: GenerateRequest, arrival: float | None) -> None:
-        if self._tombstones.take(rid):  # its abort came first: it ends before it starts
+        if self._tombstones.take(rid, req.arrival_time):  # its abort came first: it ends before it starts
             ended = CompletionDelta(index=0, token_ids=[], text="", num_tokens=0, finish_reason=FinishReason.ABORT)
             self._put(rid, StreamChunk(request_id=rid, worker_id=self.worker_id, deltas=[ended], finished=True))
             return

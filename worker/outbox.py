@@ -9,7 +9,12 @@ reader is behind (a migration marker, the last chunk and an error are never merg
 so a slow frontend costs one merged chunk per request, never a growing queue. A Route is
 a request's entry in the worker's stream table that delivers into an Outbox and removes
 itself once the request's last item went in. Tombstones: aborts that arrived before their
-request (bounded in count and age); the request then finishes at once with "abort".
+request (bounded in count and age); the request then finishes at once with "abort", if it
+was sent before the abort came (its `arrival_time`, stamped by the router, not later than
+the abort's: the wall clocks of one machine, or of NTP-synced nodes). A request sent after
+an abort that found nothing is a new one: before, a client that aborted an id not running
+(or its own finished request, on the workers where it had not run) had every request with
+the id refused for 60 s (an attack, 2026-12-06: 20 of 20 fresh ids).
 """
 
 from __future__ import annotations
@@ -89,7 +94,7 @@ class Tombstones:
     """Aborts of requests not seen yet (step thread only)."""
 
     def __init__(self) -> None:
-        self._dead: OrderedDict[str, float] = OrderedDict()
+        self._dead: OrderedDict[str, tuple[float, float]] = OrderedDict()  # rid -> (expiry, the abort's wall time)
         self._seen: OrderedDict[str, None] = OrderedDict()
 
     def seen(self, rid: str) -> None:
@@ -102,15 +107,19 @@ class Tombstones:
         """An abort found nothing: leave a tombstone unless the request already ran here."""
         if rid in self._seen:
             return
-        self._dead[rid] = time.monotonic() + TOMBSTONE_S
+        self._dead[rid] = (time.monotonic() + TOMBSTONE_S, time.time())
         self._dead.move_to_end(rid)
         while len(self._dead) > TOMBSTONES_KEPT:
             self._dead.popitem(last=False)
 
-    def take(self, rid: str) -> bool:
-        """True if an abort for `rid` is waiting (it is consumed)."""
-        exp = self._dead.pop(rid, None)
-        return exp is not None and exp > time.monotonic()
+    def take(self, rid: str, sent_at: float | None = None) -> bool:
+        """True if an abort for `rid` is waiting and the request (sent at wall time `sent_at`;
+        None: unknown, taken as before it) is not newer than it. The tombstone is spent."""
+        entry = self._dead.pop(rid, None)
+        if entry is None:
+            return False
+        expiry, aborted_at = entry
+        return expiry > time.monotonic() and (sent_at is None or sent_at <= aborted_at)
 
     def __len__(self) -> int:
         return len(self._dead)

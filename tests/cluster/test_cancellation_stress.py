@@ -116,17 +116,23 @@ def test_clients_that_leave_leave_nothing_running(cluster):
 def test_an_abort_that_overtakes_its_request_wins_through_ray(cluster):
     router = cluster.router
 
+    def request(rid: str, max_tokens: int) -> GenerateRequest:
+        return GenerateRequest(request_id=rid, prompt_token_ids=[5, 6, 7, 8], arrival_time=time.time(),
+                               params=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
     async def main():
         for i in range(10):
             rid = f"early-{i}"
             wid = "w0" if i % 2 == 0 else "w1"
+            req = request(rid, MAX_TOKENS)  # sent (its arrival stamped by a router), then its abort
             assert not await router.client.abort(wid, rid)  # it has not arrived yet
-            chunks = [c async for c in router.generate(
-                GenerateRequest(request_id=rid, prompt_token_ids=[5, 6, 7, 8],
-                                params=SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)),
-                worker_id=wid)]
+            chunks = [c async for c in router.generate(req, worker_id=wid)]
             assert chunks[-1].finished and chunks[-1].deltas[0].finish_reason == "abort"
             assert sum(len(d.token_ids) for c in chunks for d in c.deltas) == 0
+            # a request sent after an abort that found nothing is a new one: it runs
+            assert not await router.client.abort(wid, rid + "-new")
+            chunks = [c async for c in router.generate(request(rid + "-new", 5), worker_id=wid)]
+            assert chunks[-1].finished and chunks[-1].deltas[0].finish_reason == "length"
         await wait_idle(cluster)
     asyncio.run(main())
 

@@ -436,6 +436,13 @@ def test_grpc_abort_cancel_and_deadline_free_the_blocks(server, stub):
     wait_idle(server)
     assert generated_tokens(server) - generated < 236 * 0.75
     assert not stub.Abort(pb.AbortRequest(request_id="never-was"), metadata=AUTH).aborted
+    # an id aborted where it was not running (never, or no more, or on another worker) is free
+    # for the client's next request (it was refused with CANCELLED for 60 s)
+    assert not stub.Abort(pb.AbortRequest(request_id="to-abort"), metadata=AUTH).aborted
+    for rid in ("never-was", "to-abort"):
+        out = stub.Generate(req(ids=list(range(20, 30)), rid=rid, max_tokens=4, temperature=0, ignore_eos=True),
+                            metadata=AUTH)
+        assert out.completions[0].finish_reason == "length" and len(out.completions[0].token_ids) == 4
 
 
 def test_grpc_an_id_cancelled_and_sent_again_at_once_runs(server, stub):
