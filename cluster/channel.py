@@ -2,7 +2,10 @@
 worker). Submits, aborts and attaches go down its TCP connection in order as batches (one in
 flight, awaited); every chunk of the frontend's requests there comes back on it, one frame per
 worker step, and is put in its request's Inbox (merged while the reader is behind). A reader
-that leaves queues its abort on the channel at once, behind its own submit. RayWorkerClient
+that leaves queues its abort on the channel at once, behind its own submit; one that leaves
+before reading its request's move has the move's import dropped on its destination instead
+(RayWorkerClient.drop_moved: an abort here found nothing, and the request ran on there,
+unread, to its end, its id held for good: an attack of stalled gRPC streams, 2026-12-06). RayWorkerClient
 (worker_client.py) opens them; the address and token of the worker's data port come over Ray.
 
 Request ids are demultiplexed by name, so an id whose reader left is held ("draining") until
@@ -101,7 +104,13 @@ class Channel:
         """Abort `rid` now, ahead of its stream's close (which then sends nothing more): its
         client is known gone (an HTTP connection lost) while the stream's reader has yet to see it."""
         box = self.inboxes.get(rid)
-        if box is not None and not box.aborted and self.dead is None and not any(terminal(i) for i in box.items):
+        if box is None or box.aborted:
+            return
+        moved = _moved_to(box)
+        if moved is not None:
+            box.aborted = True
+            self.client.drop_moved(moved, rid)
+        elif self.dead is None and not any(terminal(i) for i in box.items):
             box.aborted = True
             self.send(("abort", rid))
 
@@ -137,7 +146,11 @@ class Channel:
         finally:
             if self.inboxes.get(rid) is box:
                 del self.inboxes[rid]
-            if not finished and self.dead is None:  # the reader left: free its blocks
+            moved = None if finished else _moved_to(box)
+            if moved is not None:  # the reader left before it read the move: it runs there, unread
+                if not box.aborted:
+                    self.client.drop_moved(moved, rid)
+            elif not finished and self.dead is None:  # the reader left: free its blocks
                 if not any(terminal(item) for item in box.items):  # its last item is still to come
                     self._hold(rid)
                 if not box.aborted:
@@ -207,7 +220,10 @@ class Channel:
                         box = self.inboxes.get(rid)
                         if box is not None:
                             box.put(item)
-                        elif rid in self.draining and terminal(item):
+                            continue
+                        if isinstance(item, StreamChunk) and item.migrated_to is not None:
+                            self.client.drop_moved(item.migrated_to, rid)  # its reader left as it moved
+                        if rid in self.draining and terminal(item):
                             self._release(rid)
                 elif self.results is not None and not self.results.done() and frame[1] == self.seq:
                     if frame[0] == "r":
@@ -253,6 +269,12 @@ class Channel:
         for t in (self.reader, self.sender):
             if t is not asyncio.current_task() and not t.done():
                 t.cancel()
+
+
+def _moved_to(box: Inbox) -> str | None:
+    """The worker a request moved to, where its reader has not read the move yet: it runs there,
+    and no one else will attach to it (an abort here, where it no longer is, found nothing)."""
+    return next((i.migrated_to for i in box.items if isinstance(i, StreamChunk) and i.migrated_to is not None), None)
 
 
 def _rid(msg) -> str:

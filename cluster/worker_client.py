@@ -52,6 +52,7 @@ class RayWorkerClient:
         self.ray_namespace = ray_namespace
         self._handles: dict = {}
         self._channels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> {wid: Channel}
+        self._dropping: set[asyncio.Task] = set()  # drop_moved's calls under way
 
     def handle(self, wid: str):
         import ray
@@ -115,6 +116,17 @@ class RayWorkerClient:
         ch = self._live_channel(wid)
         if ch is not None:
             ch.abort_soon(request_id)
+
+    def drop_moved(self, wid: str, request_id: str) -> None:
+        """A request moved to `wid` whose reader left before reading the move: nobody will
+        attach to it there, so its import is dropped (aborted, its stream gone), without waiting."""
+        task = asyncio.get_running_loop().create_task(self._drop(wid, request_id))
+        self._dropping.add(task)
+        task.add_done_callback(self._dropping.discard)
+
+    async def _drop(self, wid: str, request_id: str) -> None:
+        with contextlib.suppress(Exception):  # (a worker gone took the request with it)
+            await self.call(wid, "drop_import", request_id)
 
     async def move(self, src: str, dst: str, request_id: str, preempt: tuple[str, ...] = ()) -> None:
         """Export on `src`, import on `dst`, then announce (module docstring); the state goes

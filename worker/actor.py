@@ -69,6 +69,7 @@ class EngineWorker(FrontendChannels, Migrations, StepLoop, LoadReports):
         self._moving: dict[str, tuple] = {}  # exported, not yet settled: rid -> (destination, state, move id)
         self._move_ids = itertools.count()
         self._arrivals: dict[str, list[asyncio.Event]] = {}  # attach() waiting for an import: rid -> events
+        self._unattached: dict[str, asyncio.Queue] = {}  # imported, no reader attached yet: rid -> its stream
         self._leaving: dict[str, asyncio.Future] = {}  # rid -> the abort of a request whose reader left
         self.engine: EngineCore | None = None  # built by the step thread (_step_loop), before __init__ returns
         self.heartbeat_s = heartbeat_s
@@ -145,6 +146,7 @@ class EngineWorker(FrontendChannels, Migrations, StepLoop, LoadReports):
         await self._await_arrival(request_id)
         if request_id not in self._streams or self.failed:
             raise UnavailableError(f"request {request_id!r} never arrived on worker {self.worker_id}")
+        self._unattached.pop(request_id, None)
         async with contextlib.aclosing(self._drain_stream(request_id)) as chunks:
             async for chunk in chunks:
                 yield chunk

@@ -157,6 +157,7 @@ class FrontendChannels:
                 box.put(rid, UnavailableError(f"request {rid!r} never arrived on worker {self.worker_id}"))
             return
         # (its earlier items went through the event loop: the rest follow them there, in order)
+        self._unattached.pop(rid, None)
         route = self._streams[rid] = Route(box, rid, self._streams, self._sent, direct=False)
         while not q.empty():
             route.put_nowait(q.get_nowait())

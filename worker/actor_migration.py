@@ -14,6 +14,10 @@ from folio.worker.messages import StreamChunk, mono_from_wall, wall_from_mono
 
 log = logging.getLogger("folio.worker")
 MOVE_TIMEOUT_S = 60.0  # an export neither confirmed nor refused by then resumes here (its mover died)
+# an import no reader attached to by then is dropped: its frontend left before reading the move
+# and could not say so (it died, or its drop_import was lost). Past the frontends' own bound on
+# a reader that takes nothing (SEND_TIMEOUT_S, 60 s), whose router reads the move at its next chunk.
+UNATTACHED_S = 120.0
 
 
 class Migrations:
@@ -24,6 +28,8 @@ class Migrations:
         `cancel_migration` if it refused (the request resumes here; its stream never
         stalled on the refusal). Unsettled after MOVE_TIMEOUT_S, it resumes here."""
         self._loop = asyncio.get_running_loop()
+        if request_id in self._unattached:  # moved here, its move not read yet: moved on, no reader could follow
+            raise InvalidRequestError(f"request {request_id!r} has no reader on {self.worker_id} yet: it stays")
         state = await self._call(lambda e: self._export(request_id, destination))
         moving = self._moving.get(request_id)
         if moving is None or moving[1] is not state:  # its abort came between (its reader left): it is gone
@@ -54,12 +60,19 @@ class Migrations:
         return True
 
     async def drop_import(self, request_id: str) -> bool:
-        """Undo an import whose move was never announced (its reader left, or it expired
-        on the source): nobody will attach to it, so its stream goes too."""
+        """Undo an import nobody will attach to, so its stream goes too: its move was never
+        announced (its reader left, or it expired on the source), or its reader left before it
+        read the move (the frontend's drop_moved), or none attached within UNATTACHED_S."""
         found = await self._call(lambda e: e.abort(request_id))
         self._streams.pop(request_id, None)
         self._sent.pop(request_id, None)
+        self._unattached.pop(request_id, None)
         return found
+
+    def _drop_unattached(self, request_id: str, stream: asyncio.Queue) -> None:
+        if self._unattached.get(request_id) is stream:
+            log.warning("%s was imported %g s ago and no reader attached: dropped", request_id, UNATTACHED_S)
+            self._loop.create_task(self.drop_import(request_id))
 
     async def _expire_move(self, request_id: str, token: int) -> None:
         if self._moving.get(request_id, (None, None, None))[2] == token:
@@ -76,7 +89,7 @@ class Migrations:
         rid = state.request_id
         if rid in self._streams:
             raise InvalidRequestError(f"request id {rid!r} is already in use on {self.worker_id}")
-        self._streams[rid] = asyncio.Queue()
+        stream = self._streams[rid] = self._unattached[rid] = asyncio.Queue()  # (an attach takes it off)
         self._sent[rid] = {s.index: s.sent_tokens for s in state.seqs}
         state = dataclasses.replace(state, arrival_time=mono_from_wall(state.arrival_time))
 
@@ -92,7 +105,9 @@ class Migrations:
         except BaseException:
             self._streams.pop(rid, None)
             self._sent.pop(rid, None)
+            self._unattached.pop(rid, None)
             raise
+        self._loop.call_later(UNATTACHED_S, self._drop_unattached, rid, stream)
         for ev in self._arrivals.pop(rid, []):
             ev.set()
         return rid_

@@ -220,6 +220,48 @@ def test_cross_gpu_preemption_resumes_requests_on_the_other_worker(cluster, toke
     assert_idle_and_consistent(cluster)
 
 
+def test_a_reader_gone_before_it_read_its_move_leaves_nothing_behind(cluster):
+    """A request moves while its reader is not reading, and the reader leaves (its stream
+    closed, or first its connection lost: the HTTP server's early abort) before it read the
+    move: the frontend drops the import on the destination at once, and the id runs on either
+    worker again. Before, the abort went to the source, where the request no longer was; it
+    ran on to its end on the destination, unread, and its id stayed "in use" there for good (an
+    attack of 60 stalled gRPC streams, 2026-12-06: as many left running as moves in the stall)."""
+    router, client = cluster.router, cluster.router.client
+    long = SamplingParams(max_tokens=150, ignore_eos=True, temperature=0.0)
+    short = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+
+    async def main():
+        for k, early in enumerate((False, True, False, True)):
+            rid = f"unread-move-{k}"
+            gen = router.generate(GenerateRequest(request_id=rid, prompt_token_ids=list(range(20, 40)),
+                                                  params=long), worker_id="w0")
+            await gen.__anext__()  # the reader stops here; the channel's reader task goes on
+            await client.move("w0", "w1", rid)
+            inbox = client._live_channel("w0").inboxes[rid]
+            await until(lambda: any(i.migrated_to == "w1" for i in inbox.items), "the move in the inbox", 30)
+            if early:
+                router.abort_soon(rid)
+            await gen.aclose()
+
+            async def dropped():
+                st = await cluster.workers["w1"].stats.remote()
+                return st["num_streams"] == 0 and st["num_running"] == 0 and st["num_swapped"] == 0
+            await until(dropped, "the import dropped on w1", 10)  # it ran 150 tokens x 10 ms there
+            for w in ("w0", "w1"):
+                tokens, workers = await run(router, GenerateRequest(request_id=rid, prompt_token_ids=list(range(20, 30)),
+                                                                    params=short), worker_id=w)
+                assert len(tokens) == 4 and set(workers) == {w}
+    pause_coordinator(cluster, True)
+    ray_step_delay(cluster.workers["w1"], 0.01)
+    try:
+        asyncio.run(main())
+    finally:
+        ray_step_delay(cluster.workers["w1"], 0)
+        pause_coordinator(cluster, False)
+    assert_idle_and_consistent(cluster)
+
+
 def test_redis_restart_mid_load_keeps_serving(cluster, model_dirs):
     """Redis restarts (all cluster state gone) while four requests run: they finish, exact, and
     the workers register again. Steps 20 ms slower (as a larger model's): the 60 tokens run

@@ -260,3 +260,49 @@ def test_an_abort_between_the_export_and_its_settling_fails_the_move_cleanly(mod
         assert await coord._move(Move("m", "a", "b", (), 1)) is False
         assert coord.num_failed_moves == 1
     asyncio.run(main())
+
+
+def test_an_import_no_reader_attaches_to_is_dropped(model, tokenizer, monkeypatch):
+    """A request moved while its reader was not reading, whose reader then left without
+    reading the move (in-process, nobody can tell its destination): the destination drops
+    the import once no reader attached within UNATTACHED_S, and the id is free there again.
+    Before, it ran there to its end, and its id stayed "in use" on that worker for good. Nor
+    is such an import moved on before a reader attached (a chain of moves no reader follows:
+    the frontend that drops the first destination's import cannot know of the second)."""
+    from folio.worker import actor_migration
+
+    monkeypatch.setattr(actor_migration, "UNATTACHED_S", 0.3)
+    params = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
+    a, b = make_worker(model, "a"), make_worker(model, "b")
+    step_delay(a, 0.01)
+    step_delay(b, 0.01)  # the 150 tokens outlast UNATTACHED_S on b
+    client = LocalWorkerClient({"a": a, "b": b})
+    prompt = tokenizer(PROMPTS[0]).input_ids
+
+    async def main():
+        stream = a.generate(GenerateRequest(request_id="m", prompt_token_ids=prompt, params=params))
+        await stream.__anext__()
+        await client.move("a", "b", "m")  # the move's marker waits, unread, in a's stream
+        try:  # not moved on from b before a reader follows it there: no reader could
+            await client.move("b", "a", "m")
+        except InvalidRequestError as e:
+            assert "no reader" in str(e)
+        else:
+            raise AssertionError("an import no reader attached to moved on")
+        await stream.aclose()
+        for _ in range(200):
+            st = await b.stats()
+            if st["num_streams"] == 0 and st["num_running"] == 0 and st["num_swapped"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert st["num_generated_tokens"] < 140, "the import ran on to its end"
+        for w in (a, b):
+            st = await w.stats()
+            assert st["num_free_blocks"] == st["num_kv_blocks"] and st["num_streams"] == 0, st
+            await w.check_invariants()
+        # the id runs on either worker again
+        for w in (a, b):
+            tokens, chunks = await collect(w.generate(GenerateRequest(
+                request_id="m", prompt_token_ids=prompt, params=SamplingParams(max_tokens=4, ignore_eos=True))))
+            assert len(tokens[0]) == 4 and chunks[-1].deltas[0].finish_reason == "length"
+    asyncio.run(main())

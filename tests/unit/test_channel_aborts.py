@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from folio.cluster.channel import Channel
 from folio.worker import data_plane
-from folio.worker.messages import GenerateRequest
+from folio.worker.messages import GenerateRequest, StreamChunk
 from folio.worker.sampling_params import SamplingParams
 
 
@@ -71,6 +71,11 @@ class Client:  # what Channel asks of RayWorkerClient: the worker's data address
 
     def forget(self, wid) -> None:
         pass
+
+    dropped: list
+
+    def drop_moved(self, wid, rid) -> None:
+        self.__dict__.setdefault("dropped", []).append((wid, rid))
 
 
 def _submit(rid: str) -> tuple:
@@ -209,4 +214,42 @@ def test_any_interleaving_sends_each_abort_once_and_after_its_submit(ops):
             assert len(aborts) == (rid in left), (rid, msgs)
             assert not aborts or (submits and submits[0] < aborts[0]), (rid, msgs)
         await peer.stop()
+    run(main())
+
+
+def test_a_reader_gone_before_it_read_its_move_has_the_import_dropped_where_it_went():
+    """The worker's move marker (the request runs on w2 now) is in the inbox unread when the
+    reader leaves (its stream closed, or its client lost first: abort_soon), or comes after
+    the reader left: the import is dropped on w2, once, and no abort goes to this worker,
+    where the request no longer is (there it found nothing, and the request ran on, unread)."""
+    def marker(rid):
+        return ("c", [(rid, StreamChunk(request_id=rid, worker_id="w", deltas=[], migrated_to="w2"))])
+
+    async def main():
+        for how in ("close", "soon", "marker-after"):
+            peer, ch, (gen, task) = await _answered("a")
+            if how != "marker-after":
+                data_plane.write_frame(peer.writer, ("c", [("a", StreamChunk(request_id="a", worker_id="w",
+                                                                              deltas=[]))]))
+                await task  # the reader took that chunk, and reads no more
+                data_plane.write_frame(peer.writer, marker("a"))
+                for _ in range(500):
+                    if ch.inboxes["a"].items:
+                        break
+                    await asyncio.sleep(0.01)
+                if how == "soon":
+                    ch.abort_soon("a")
+                    ch.abort_soon("a")
+                await gen.aclose()
+                assert not [m for m in peer.messages() if m[0] == "abort"], how
+            else:
+                await _leave(gen, task)  # the abort goes here; the move comes after it
+                assert (await peer.frame())[1] == [("abort", "a")]
+                data_plane.write_frame(peer.writer, marker("a"))
+                for _ in range(500):
+                    if getattr(ch.client, "dropped", None):
+                        break
+                    await asyncio.sleep(0.01)
+            assert ch.client.dropped == [("w2", "a")], how
+            await peer.stop()
     run(main())
