@@ -30,6 +30,7 @@ from folio.deploy.frontend import Frontend
 from folio.deploy.grpc_reflection_v1 import enable_reflection
 from folio.deploy.grpc_servicer import GenerationServicer
 from folio.v1 import generate_pb2 as pb
+from folio.worker.errors import InvalidRequestError
 
 SEND_TIMEOUT_S = 60.0
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -100,11 +101,18 @@ class _SendWatch:
                                               self._check)
 
 
-def _guarded(fn, streaming: bool, send_timeout_s: float = SEND_TIMEOUT_S):
+def _guarded(fn, streaming: bool, send_timeout_s: float = SEND_TIMEOUT_S, count=None):
+    """`count`: called with the error of a body that does not parse (a generation's: counted
+    as finish_reason="error", as every other bad request, and as over HTTP)."""
+    async def undecodable(request, context):
+        if count is not None:
+            count(InvalidRequestError(request.why))
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
+
     if streaming:
         async def handler(request, context):  # writes its messages (not a generator): they are timed
             if isinstance(request, _Undecodable):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
+                await undecodable(request, context)
             watch = _SendWatch(send_timeout_s)
             try:
                 clock = watch.loop.time
@@ -124,7 +132,7 @@ def _guarded(fn, streaming: bool, send_timeout_s: float = SEND_TIMEOUT_S):
     else:
         async def handler(request, context):
             if isinstance(request, _Undecodable):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.why)
+                await undecodable(request, context)
             return await fn(request, context)
     return handler
 
@@ -141,7 +149,8 @@ def add_generation_servicer(servicer: GenerationServicer, server, send_timeout_s
     handlers = {}
     for name, (streaming, req, resp) in methods.items():
         make = grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
-        handlers[name] = make(_guarded(getattr(servicer, name), streaming, send_timeout_s),
+        count = servicer.frontend.count_error if name.startswith("Generate") else None
+        handlers[name] = make(_guarded(getattr(servicer, name), streaming, send_timeout_s, count),
                               request_deserializer=_lenient(req.FromString),
                               response_serializer=resp.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
