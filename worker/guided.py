@@ -142,6 +142,7 @@ class Grammars:
         if g is None:
             try:
                 g = self._compile(spec)  # outside the lock: xgrammar's compiler takes concurrent calls
+                self._allows_a_first_token(spec, g)
             except InvalidRequestError as e:  # kept too: the step thread does not compile it again
                 g = _Refused(str(e))
             with self._lock:
@@ -172,6 +173,15 @@ class Grammars:
         except Exception as e:  # xgrammar's errors: a schema, regex or grammar it cannot compile
             raise InvalidRequestError(f"the {spec.kind.replace('_', ' ')} cannot be compiled: {str(e)[:300]}",
                                       param="response_format") from None
+
+    def _allows_a_first_token(self, spec: GuidedSpec, g) -> None:
+        """A grammar that allows no token at all (`root ::= root`) is refused here, by name: its
+        request's first draw was from an empty mask ("token 0 does not match the grammar")."""
+        bm = self._xgr.allocate_token_bitmask(1, self.vocab_size)
+        self._xgr.GrammarMatcher(g).fill_next_token_bitmask(bm, 0)
+        if not bm.any():
+            raise InvalidRequestError(f"the {spec.kind.replace('_', ' ')} matches no text: it allows no first token",
+                                      param="response_format")
 
     def check(self, spec: GuidedSpec | None) -> None:
         if spec is not None:

@@ -162,7 +162,8 @@ class SamplingParams:
             bad(f"stop must be at most {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters")
         if len(self.stop_token_ids) > MAX_STOP or any(not _is_int(t) or not 0 <= t < MAX_TOKEN_ID
                                                       for t in self.stop_token_ids):
-            bad(f"stop_token_ids must be at most {MAX_STOP} non-negative integers")
+            bad(f"stop_token_ids must be at most {MAX_STOP} token ids, integers in [0, {MAX_TOKEN_ID}), got "
+                f"{len(self.stop_token_ids)}: {str(list(self.stop_token_ids)[:4])[:120]}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)

@@ -62,6 +62,8 @@ def test_duplicate_request_id_is_rejected(llm):
     (dict(n=0), "n must"),
     (dict(stop=[""]), "stop"),
     (dict(logprobs=-1), "logprobs"),
+    (dict(stop_token_ids=[2**31 - 1]), r"stop_token_ids must be .*in \[0, 2147483647\), got 1: \[2147483647\]"),
+    (dict(stop_token_ids=[-1]), r"stop_token_ids .* got 1: \[-1\]"),
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(InvalidRequestError, match=match):

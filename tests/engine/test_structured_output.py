@@ -137,6 +137,15 @@ def test_what_cannot_compile_is_refused_and_leaves_nothing(llm, spec):
     assert "cannot be compiled" in str(e.value) and not llm.engine.has_unfinished_requests()
 
 
+@pytest.mark.parametrize("grammar", ["root ::= root", "root ::= a\na ::= root"])
+def test_a_grammar_that_allows_no_token_is_refused_by_name(llm, grammar):
+    """It compiles, but its first mask is empty: the request's first draw failed with "token 0
+    does not match the request's grammar" (an attack's fuzzing, 2026-12-06)."""
+    with pytest.raises(InvalidRequestError) as e:
+        llm.engine.add_request("bad", PROMPTS[0], SamplingParams(guided=GuidedSpec("grammar", grammar)))
+    assert "matches no text" in str(e.value) and not llm.engine.has_unfinished_requests()
+
+
 def test_bad_specs():
     with pytest.raises(InvalidRequestError):
         GuidedSpec("xml")
