@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 
 from folio.cluster.placement import Move, plan_moves, victim_queries
@@ -120,19 +121,30 @@ class Coordinator:
 
 
 class CoordinatorActor:
-    """The Ray actor around Coordinator (see folio.cluster.launcher for its options)."""
+    """The Ray actor around Coordinator (see folio.cluster.launcher for its options: restarted
+    when its process dies). Its rounds run on a thread of their own, started with the actor, so
+    that a restarted actor goes on by itself: nobody calls `start` on a restart, and a killed
+    coordinator's cluster never moved a request again (an attack, 2026-12-06)."""
 
     def __init__(self, redis_url: str, namespace: str, ray_namespace: str | None = None, **kw) -> None:
         from folio.cluster.worker_client import RayWorkerClient
 
         self.coordinator = Coordinator(ClusterState(redis_url, namespace),
                                        RayWorkerClient(namespace, ray_namespace), **kw)
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="folio-coordinator", daemon=True).start()
+        self._loop.call_soon_threadsafe(self.coordinator.start)
+
+    def _on_loop(self, fn) -> asyncio.Future:
+        async def run():
+            return await fn() if asyncio.iscoroutinefunction(fn) else fn()
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(), self._loop))
 
     async def start(self) -> None:
-        self.coordinator.start()
+        await self._on_loop(self.coordinator.start)
 
     async def stop(self) -> None:
-        await self.coordinator.stop()
+        await self._on_loop(self.coordinator.stop)
 
     async def stats(self) -> dict:
-        return self.coordinator.stats()
+        return await self._on_loop(self.coordinator.stats)

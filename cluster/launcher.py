@@ -173,8 +173,8 @@ class FolioCluster:
         client = RayWorkerClient(cfg.namespace, cfg.namespace)
         # one worker: no move can be planned (it takes two), so no coordinator (1.5 % of a core idle)
         if cfg.coordinator and cfg.num_workers > 1:
-            self.coordinator = ray.remote(CoordinatorActor).options(
-                num_cpus=0.05, name=f"{cfg.namespace}-coordinator", namespace=cfg.namespace,
+            self.coordinator = ray.remote(CoordinatorActor).options(  # restarted when its process dies
+                num_cpus=0.05, name=f"{cfg.namespace}-coordinator", namespace=cfg.namespace, max_restarts=-1,
                 **self._lifetime()).remote(
                 self.redis_url, cfg.namespace, cfg.namespace, interval_s=cfg.coordinator_interval_s)
             ray.get(self.coordinator.start.remote())
