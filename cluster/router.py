@@ -41,12 +41,8 @@ class Router:
                  hash_seed: bytes = DEFAULT_HASH_SEED) -> None:
         if policy not in POLICIES:
             raise ConfigError(f"router policy must be one of {POLICIES}, got {policy!r}")
-        self.state = state
-        self.client = client
-        self.policy = policy
-        self.refresh_s = refresh_s
-        self.imbalance = imbalance
-        self.hash_seed = hash_seed
+        self.state, self.client, self.policy = state, client, policy
+        self.refresh_s, self.imbalance, self.hash_seed = refresh_s, imbalance, hash_seed
         self.id_wait_s = ID_WAIT_S
         self._rng = random.Random(seed)
         self._counter = 0
@@ -286,11 +282,16 @@ class Router:
             self.client.abort_soon(wid, request_id)
 
     async def abort(self, request_id: str) -> bool:
-        """Abort wherever the request runs. A request streamed through another router
-        (another frontend replica) is looked for on every live worker."""
+        """Abort wherever the request runs: where this router streams it, then every other live
+        worker (another replica's request; one moved before its reader read the move, 2026-12-06)."""
         wid = self._where.get(request_id)
-        candidates = [wid] if wid is not None else list(await self.live_loads(refresh=True))
-        for w in candidates:
+        async def candidates():
+            if wid is not None:
+                yield wid
+            for w in await self.live_loads(refresh=True):  # (asked only when it was not where expected)
+                if w != wid:
+                    yield w
+        async for w in candidates():
             try:
                 if await self.client.abort(w, request_id):
                     return True

@@ -193,6 +193,54 @@ def test_policies_route_as_specified(cluster, tokenizer):
     assert_idle_and_consistent(cluster)
 
 
+def test_an_abort_finds_a_request_that_moved_before_its_reader_read_the_move(cluster):
+    """The router still has the request on its source (its reader has not read the move): an
+    Abort (gRPC's) looks on the other workers too, finds it on its destination, and the stream,
+    read on, ends with "abort" there. It tried the source only and answered False (16 of 60
+    stalled readers' Aborts in an attack, 2026-12-06); the request ran on to its end."""
+    router, client = cluster.router, cluster.router.client
+    long = SamplingParams(max_tokens=150, ignore_eos=True, temperature=0.0)
+
+    async def main():
+        for k in range(3):
+            rid = f"abort-moved-{k}"
+            gen = router.generate(GenerateRequest(request_id=rid, prompt_token_ids=list(range(20, 40)),
+                                                  params=long), worker_id="w0")
+            await gen.__anext__()
+            await client.move("w0", "w1", rid)
+            inbox = client._live_channel("w0").inboxes[rid]
+            await until(lambda: any(i.migrated_to == "w1" for i in inbox.items), "the move in the inbox", 30)
+            assert await router.abort(rid)
+            rest = [c async for c in gen]
+            assert rest[-1].finished and rest[-1].worker_id == "w1" and rest[-1].deltas[0].finish_reason == "abort"
+            assert sum(len(d.token_ids) for c in rest for d in c.deltas) < 140
+    pause_coordinator(cluster, True)
+    ray_step_delay(cluster.workers["w1"], 0.01)
+    try:
+        asyncio.run(main())
+    finally:
+        ray_step_delay(cluster.workers["w1"], 0)
+        pause_coordinator(cluster, False)
+    assert_idle_and_consistent(cluster)
+
+
+def test_a_coordinator_that_dies_comes_back_and_plans_again(cluster):
+    """Its process killed (Ray restarts it, as a worker), the coordinator's rounds go on by
+    themselves: nobody calls `start` on a restart. Before, it was not restarted at all, and the
+    cluster never moved a request again (an attack, 2026-12-06). The next test's moves are
+    then planned by the restarted one."""
+    ray.kill(cluster.coordinator, no_restart=False)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if ray.get(cluster.coordinator.stats.remote(), timeout=5)["rounds"] >= 3:
+                break
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
+            pass  # restarting
+        assert time.monotonic() < deadline, "the coordinator did not come back"
+        time.sleep(0.2)
+
+
 def test_cross_gpu_preemption_resumes_requests_on_the_other_worker(cluster, tokenizer, model_dirs):
     """A burst pinned to w0 needs ~8x its KV: w0 swaps requests out and the coordinator
     resumes them on w1; every stream is complete, in order, and equal to the offline engine.
