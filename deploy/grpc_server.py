@@ -137,9 +137,11 @@ def _guarded(fn, streaming: bool, send_timeout_s: float = SEND_TIMEOUT_S, count=
     return handler
 
 
-def add_generation_servicer(servicer: GenerationServicer, server, send_timeout_s: float = SEND_TIMEOUT_S) -> None:
+def add_generation_servicer(servicer: GenerationServicer, server, send_timeout_s: float = SEND_TIMEOUT_S,
+                            count_error=None) -> None:
     """pb_grpc.add_GenerationServicer_to_server, but a body that does not parse is
-    INVALID_ARGUMENT with its reason, and a stream's messages are timed (SEND_TIMEOUT_S)."""
+    INVALID_ARGUMENT with its reason (a generation's passed to `count_error`), and a stream's
+    messages are timed (SEND_TIMEOUT_S)."""
     methods = {  # name: (streaming, request type, response type)
         "Generate": (False, pb.GenerateRequest, pb.GenerateResponse),
         "GenerateStream": (True, pb.GenerateRequest, pb.GenerateStreamResponse),
@@ -149,7 +151,7 @@ def add_generation_servicer(servicer: GenerationServicer, server, send_timeout_s
     handlers = {}
     for name, (streaming, req, resp) in methods.items():
         make = grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
-        count = servicer.frontend.count_error if name.startswith("Generate") else None
+        count = count_error if name.startswith("Generate") else None
         handlers[name] = make(_guarded(getattr(servicer, name), streaming, send_timeout_s, count),
                               request_deserializer=_lenient(req.FromString),
                               response_serializer=resp.SerializeToString)
@@ -160,7 +162,7 @@ async def start_grpc_server(frontend: Frontend, port: int, host: str = "0.0.0.0"
     """Serves on host:port only (`folio serve --host`), never on every interface unless told."""
     interceptors = [ApiKeyInterceptor(frontend.cfg.api_key)] if frontend.cfg.api_key else []
     server = grpc.aio.server(interceptors=interceptors)
-    add_generation_servicer(GenerationServicer(frontend), server)
+    add_generation_servicer(GenerationServicer(frontend), server, count_error=frontend.count_error)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     enable_reflection(server, (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
