@@ -193,27 +193,9 @@ def test_policies_route_as_specified(cluster, tokenizer):
     assert_idle_and_consistent(cluster)
 
 
-def test_an_abort_finds_a_request_that_moved_before_its_reader_read_the_move(cluster):
-    """The router still has the request on its source (its reader has not read the move): an
-    Abort (gRPC's) looks on the other workers too, finds it on its destination, and the stream,
-    read on, ends with "abort" there. It tried the source only and answered False (16 of 60
-    stalled readers' Aborts in an attack, 2026-12-06); the request ran on to its end."""
-    router, client = cluster.router, cluster.router.client
-    long = SamplingParams(max_tokens=150, ignore_eos=True, temperature=0.0)
-
-    async def main():
-        for k in range(3):
-            rid = f"abort-moved-{k}"
-            gen = router.generate(GenerateRequest(request_id=rid, prompt_token_ids=list(range(20, 40)),
-                                                  params=long), worker_id="w0")
-            await gen.__anext__()
-            await client.move("w0", "w1", rid)
-            inbox = client._live_channel("w0").inboxes[rid]
-            await until(lambda: any(i.migrated_to == "w1" for i in inbox.items), "the move in the inbox", 30)
-            assert await router.abort(rid)
-            rest = [c async for c in gen]
-            assert rest[-1].finished and rest[-1].worker_id == "w1" and rest[-1].deltas[0].finish_reason == "abort"
-            assert sum(len(d.token_ids) for c in rest for d in c.deltas) < 140
+def moves_by_hand(cluster, main) -> None:
+    """Run `main()` with the coordinator paused (the test moves requests itself) and w1's steps
+    10 ms slower (what it runs outlasts the test's checks on any CPU); then all must be idle."""
     pause_coordinator(cluster, True)
     ray_step_delay(cluster.workers["w1"], 0.01)
     try:
@@ -222,6 +204,38 @@ def test_an_abort_finds_a_request_that_moved_before_its_reader_read_the_move(clu
         ray_step_delay(cluster.workers["w1"], 0)
         pause_coordinator(cluster, False)
     assert_idle_and_consistent(cluster)
+
+
+async def moved_unread(cluster, rid: str, params):
+    """The router's stream of a request on w0 whose reader took one chunk and no more, then
+    moved to w1: the move waits, unread, in the frontend's inbox (the channel reads on)."""
+    client = cluster.router.client
+    gen = cluster.router.generate(GenerateRequest(request_id=rid, prompt_token_ids=list(range(20, 40)),
+                                                  params=params), worker_id="w0")
+    await gen.__anext__()
+    await client.move("w0", "w1", rid)
+    inbox = client._live_channel("w0").inboxes[rid]
+    await until(lambda: any(i.migrated_to == "w1" for i in inbox.items), "the move in the inbox", 30)
+    return gen
+
+
+def test_an_abort_finds_a_request_that_moved_before_its_reader_read_the_move(cluster):
+    """The router still has the request on its source (its reader has not read the move): an
+    Abort (gRPC's) looks on the other workers too, finds it on its destination, and the stream,
+    read on, ends with "abort" there. It tried the source only and answered False (16 of 60
+    stalled readers' Aborts in an attack, 2026-12-06); the request ran on to its end."""
+    router = cluster.router
+    long = SamplingParams(max_tokens=150, ignore_eos=True, temperature=0.0)
+
+    async def main():
+        for k in range(3):
+            rid = f"abort-moved-{k}"
+            gen = await moved_unread(cluster, rid, long)
+            assert await router.abort(rid)
+            rest = [c async for c in gen]
+            assert rest[-1].finished and rest[-1].worker_id == "w1" and rest[-1].deltas[0].finish_reason == "abort"
+            assert sum(len(d.token_ids) for c in rest for d in c.deltas) < 140
+    moves_by_hand(cluster, main)
 
 
 def test_a_coordinator_that_dies_comes_back_and_plans_again(cluster):
@@ -275,19 +289,14 @@ def test_a_reader_gone_before_it_read_its_move_leaves_nothing_behind(cluster):
     worker again. Before, the abort went to the source, where the request no longer was; it
     ran on to its end on the destination, unread, and its id stayed "in use" there for good (an
     attack of 60 stalled gRPC streams, 2026-12-06: as many left running as moves in the stall)."""
-    router, client = cluster.router, cluster.router.client
+    router = cluster.router
     long = SamplingParams(max_tokens=150, ignore_eos=True, temperature=0.0)
     short = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
 
     async def main():
         for k, early in enumerate((False, True, False, True)):
             rid = f"unread-move-{k}"
-            gen = router.generate(GenerateRequest(request_id=rid, prompt_token_ids=list(range(20, 40)),
-                                                  params=long), worker_id="w0")
-            await gen.__anext__()  # the reader stops here; the channel's reader task goes on
-            await client.move("w0", "w1", rid)
-            inbox = client._live_channel("w0").inboxes[rid]
-            await until(lambda: any(i.migrated_to == "w1" for i in inbox.items), "the move in the inbox", 30)
+            gen = await moved_unread(cluster, rid, long)
             if early:
                 router.abort_soon(rid)
             await gen.aclose()
@@ -300,14 +309,7 @@ def test_a_reader_gone_before_it_read_its_move_leaves_nothing_behind(cluster):
                 tokens, workers = await run(router, GenerateRequest(request_id=rid, prompt_token_ids=list(range(20, 30)),
                                                                     params=short), worker_id=w)
                 assert len(tokens) == 4 and set(workers) == {w}
-    pause_coordinator(cluster, True)
-    ray_step_delay(cluster.workers["w1"], 0.01)
-    try:
-        asyncio.run(main())
-    finally:
-        ray_step_delay(cluster.workers["w1"], 0)
-        pause_coordinator(cluster, False)
-    assert_idle_and_consistent(cluster)
+    moves_by_hand(cluster, main)
 
 
 def test_redis_restart_mid_load_keeps_serving(cluster, model_dirs):
