@@ -15,7 +15,8 @@ connection, commands down it in order, every chunk back on it; no Ray hop per re
 step); Ray carries the rest (the data port's address, migrations, the coordinator's calls).
 
 Errors come out as Folio's own: InvalidRequestError from the worker as is, a dead
-worker as WorkerDiedError (an UnavailableError).
+worker as WorkerDiedError (an UnavailableError), a call that needed another actor which
+died (an import whose source was killed mid-export) as UnavailableError.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import weakref
 from typing import AsyncIterator, Protocol
 
 from folio.cluster.channel import Channel, WorkerDiedError
-from folio.worker.errors import FolioError
+from folio.worker.errors import FolioError, UnavailableError
 from folio.worker.messages import GenerateRequest, StreamChunk
 
 
@@ -96,7 +97,10 @@ class RayWorkerClient:
         try:
             return await getattr(self.handle(wid), method).remote(*args)
         except ray.exceptions.RayTaskError as e:
-            raise _unwrap(e) from None
+            err = _unwrap(e)
+            if isinstance(err, ray.exceptions.RayActorError):  # another actor died (an input's maker)
+                raise UnavailableError(f"{method} on {wid}: an actor it needed died ({type(err).__name__})") from None
+            raise err from None
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
             self.forget(wid)
             raise WorkerDiedError(wid, type(e).__name__) from None

@@ -255,6 +255,24 @@ def test_a_coordinator_that_dies_comes_back_and_plans_again(cluster):
         time.sleep(0.2)
 
 
+@ray.remote(num_cpus=0.01)
+class _DiesExporting:
+    def export(self):
+        import os
+        os._exit(1)
+
+
+def test_an_import_whose_source_died_mid_export_is_unavailable_not_a_fault(cluster):
+    """A move's source killed while it exports: the import on the destination cannot get its
+    input. That is a worker's death (a FolioError, logged as a failed move), not Ray's
+    exception raw (the coordinator logged it as an unexpected fault, with its traceback), and
+    the destination is neither blamed nor touched."""
+    lost = _DiesExporting.remote().export.remote()
+    with pytest.raises(UnavailableError, match="import_request on w1: an actor it needed died"):
+        asyncio.run(cluster.router.client.call("w1", "import_request", lost, []))
+    assert "w1" in cluster.router.client._handles and stats(cluster)["w1"]["num_streams"] == 0
+
+
 def test_cross_gpu_preemption_resumes_requests_on_the_other_worker(cluster, tokenizer, model_dirs):
     """A burst pinned to w0 needs ~8x its KV: w0 swaps requests out and the coordinator
     resumes them on w1; every stream is complete, in order, and equal to the offline engine.
