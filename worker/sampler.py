@@ -1,9 +1,9 @@
 """Token sampling for a batch of logits rows.
 
-Rows whose requests ask for it first have their logits processed (`process_logits`, batched:
-one masked or scattered tensor operation per kind over all the rows that use it, in vLLM's
-order): the structured-output grammar's mask (guided.py), allowed_token_ids, bad words,
-logit_bias, min_tokens, then the repetition, frequency and presence penalties (`_penalize`).
+Rows whose requests ask for it first have their logits processed (logits_processing.py,
+batched: one masked or scattered tensor operation per kind over all the rows that use it, in
+vLLM's order): the structured-output grammar's mask (guided.py), allowed_token_ids, bad words,
+logit_bias, min_tokens, then the repetition, frequency and presence penalties.
 Greedy rows then take the argmax. Sampled rows go through temperature, top-k, top-p and min-p,
 then draw by the inverse CDF at one uniform from their own generator (a seeded request gets the
 same tokens whatever shares its batch): in C++ (cpu_ops.sample_rows), else in torch, alike.
@@ -13,11 +13,12 @@ Logprobs are those of the raw logits (vLLM's default `raw_logprobs`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import torch
 
 from folio.kernels import cpu_ops
+from folio.worker.logits_processing import NEG_INF, History, process_logits
 from folio.worker.sampling_params import SamplingParams
 
 
@@ -25,114 +26,6 @@ from folio.worker.sampling_params import SamplingParams
 class SampleResult:
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]  # per row: {chosen: lp, top-k...} when asked
-
-
-class History(Protocol):
-    """What a row's penalties look at: its sequence's tokens so far (prompt, then output)."""
-    token_ids: list[int]
-    num_prompt_tokens: int
-
-
-NEG_INF = float("-inf")
-
-
-def _padded(rows: list[list[int]], device) -> torch.Tensor:
-    """[len(rows), longest] long: each row's ids, padded with its own first id (non-empty rows).
-    A repeated id reads and writes the same value, so the padding changes nothing."""
-    width = max(len(r) for r in rows)
-    return torch.tensor([r + [r[0]] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
-
-
-def process_logits(logits: torch.Tensor, params: list, histories: Sequence[History] | None,
-                   eos_ids=(), grammars=None) -> torch.Tensor:
-    """float32 logits [N, V] with each row's logits processing applied (a new tensor when any is;
-    `logits` itself when no row asks for any). Each kind is one batched operation over the rows
-    that use it, touching only the ids it concerns (gather / scatter), never a dense [N, V] pass
-    but for allowed_token_ids (everything else masked)."""
-    rows = [i for i, p in enumerate(params) if p.processes_logits]
-    if not rows:
-        return logits
-    if histories is None:
-        raise ValueError("logits processing needs each row's tokens (histories)")
-    logits = logits.clone()
-    vocab, device = logits.shape[-1], logits.device
-
-    def put(r: list[int], t: list[int], values: list[float], accumulate: bool = False) -> None:
-        """logits[r, t] = values (+= with accumulate); ids outside the vocabulary were refused
-        before (check_vocab) and are dropped here."""
-        keep = [(a, b, v) for a, b, v in zip(r, t, values) if 0 <= b < vocab]
-        if keep:
-            ri, ti, vi = zip(*keep)
-            logits.index_put_((torch.tensor(ri, device=device), torch.tensor(ti, device=device)),
-                              torch.tensor(vi, dtype=logits.dtype, device=device), accumulate=accumulate)
-
-    guided = [i for i in rows if params[i].guided is not None]
-    if guided:  # structured output first (vLLM's order): what the grammar allows next
-        if grammars is None:
-            raise ValueError("structured output needs the engine's grammars")
-        from folio.worker.guided import apply_bitmask
-        apply_bitmask(logits, guided, grammars.bitmask([histories[i] for i in guided]))
-    allowed = [i for i in rows if params[i].allowed_token_ids is not None]
-    if allowed:
-        ids = _padded([[t for t in params[i].allowed_token_ids if 0 <= t < vocab] or [0] for i in allowed], device)
-        r = torch.tensor(allowed, device=device)[:, None]
-        kept = logits[r, ids]
-        logits[r] = NEG_INF
-        logits[r, ids] = kept
-    r, t = [], []
-    for i in rows:  # bad words: ban a word's last token where the tokens before it end the sequence
-        words = params[i].bad_words_token_ids
-        if words:
-            toks = histories[i].token_ids
-            for w in words:
-                k = len(w) - 1
-                if k == 0 or (len(toks) >= k and toks[-k:] == w[:-1]):
-                    r.append(i)
-                    t.append(w[-1])
-    if r:
-        put(r, t, [NEG_INF] * len(r))
-    biased = [(i, t, b) for i in rows for t, b in (params[i].logit_bias or {}).items()]
-    if biased:
-        put(*map(list, zip(*biased)), accumulate=True)
-    r, t = [], []
-    for i in rows:  # min_tokens: nothing that ends the sequence before it has that many tokens
-        p, h = params[i], histories[i]
-        if p.min_tokens and len(h.token_ids) - h.num_prompt_tokens < p.min_tokens:
-            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
-            r += [i] * len(stops)
-            t += sorted(stops)
-    if r:
-        put(r, t, [NEG_INF] * len(r))
-    _penalize(logits, rows, params, histories)
-    return logits
-
-
-def _penalize(logits: torch.Tensor, rows: list[int], params: list, histories: Sequence[History]) -> None:
-    """The repetition, frequency and presence penalties of `rows`, in place on float32 logits [N, V]:
-    one gather / scatter per kind over the rows that use it."""
-    vocab, device = logits.shape[-1], logits.device
-    rep = [i for i in rows if params[i].repetition_penalty != 1.0]
-    if rep:  # HF's RepetitionPenaltyLogitsProcessor: every id of the prompt and the output
-        ids = _padded([histories[i].token_ids for i in rep], device).clamp_(0, vocab - 1)
-        r = torch.tensor(rep, device=device)[:, None]
-        f = torch.tensor([params[i].repetition_penalty for i in rep], dtype=logits.dtype, device=device)[:, None]
-        v = logits[r, ids]
-        logits[r, ids] = torch.where(v > 0, v / f, v * f)
-    pen = [i for i in rows if (params[i].presence_penalty or params[i].frequency_penalty)
-           and len(histories[i].token_ids) > histories[i].num_prompt_tokens]
-    if pen:  # OpenAI's: logit -= count * frequency + (count > 0) * presence, over the output
-        outs = [histories[i].token_ids[histories[i].num_prompt_tokens:] for i in pen]
-        ids = _padded(outs, device).clamp_(0, vocab - 1)
-        width = ids.shape[1]
-        lens = torch.tensor([len(o) for o in outs], device=device)
-        real = torch.arange(width, device=device)[None, :] < lens[:, None]
-        counts = torch.zeros(len(pen), vocab, dtype=logits.dtype, device=device)
-        counts.scatter_add_(1, ids, real.to(logits.dtype))
-        c = counts.gather(1, ids)
-        r = torch.tensor(pen, device=device)[:, None]
-        freq = torch.tensor([params[i].frequency_penalty for i in pen], dtype=logits.dtype, device=device)[:, None]
-        pres = torch.tensor([params[i].presence_penalty for i in pen], dtype=logits.dtype, device=device)[:, None]
-        logits[r, ids] = logits[r, ids] - freq * c - pres
 
 
 def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

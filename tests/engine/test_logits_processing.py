@@ -99,12 +99,7 @@ def test_batched_processing_matches_transformers_processors_row_by_row(rows, see
     params = [p for p, _, _ in rows]
     hists = [Hist(prompt, out) for _, prompt, out in rows]
     got = process_logits(logits, params, hists, eos_ids={EOS})
-    for r, (p, prompt, out) in enumerate(rows):
-        ids = torch.tensor([prompt + out])
-        want = hf_processors(p, len(prompt), EOS)(ids, logits[r:r + 1].clone())[0]
-        assert torch.equal(torch.isinf(got[r]), torch.isinf(want)), f"row {r}: masks differ"
-        finite = torch.isfinite(want)
-        torch.testing.assert_close(got[r][finite], want[finite], rtol=1e-6, atol=1e-5)
+    assert_rows_match(logits, got, rows)
     # the sampler's greedy pick is the processed argmax; logprobs stay the raw logits' (vLLM's default)
     res = sample(logits, [SamplingParams(**{**p.__dict__, "logprobs": 0}) for p in params], [None] * len(rows),
                  hists, {EOS})
@@ -112,6 +107,34 @@ def test_batched_processing_matches_transformers_processors_row_by_row(rows, see
         assert res.token_ids[r] == int(got[r].argmax())
         lp = res.logprobs[r][res.token_ids[r]]
         assert math.isclose(lp, float(torch.log_softmax(logits[r], -1)[res.token_ids[r]]), abs_tol=1e-5)
+
+
+def assert_rows_match(logits, got, rows) -> None:
+    for r, (p, prompt, out) in enumerate(rows):
+        ids = torch.tensor([prompt + out])
+        want = hf_processors(p, len(prompt), EOS)(ids, logits[r:r + 1].clone())[0]
+        assert torch.equal(torch.isinf(got[r]), torch.isinf(want)), f"row {r}: masks differ"
+        finite = torch.isfinite(want)
+        torch.testing.assert_close(got[r][finite], want[finite], rtol=1e-6, atol=1e-5)
+
+
+@settings(max_examples=100, deadline=None)
+@given(reqs=st.lists(params_st, min_size=1, max_size=3),
+       rows=st.lists(st.tuples(st.integers(0, 2), st.lists(tokens, min_size=1, max_size=8),
+                               st.lists(tokens, max_size=12)), min_size=1, max_size=8),
+       allowed=st.lists(st.lists(tokens, min_size=1, max_size=12), min_size=3, max_size=3),
+       seed=st.integers(0, 2**31))
+def test_the_rows_of_one_request_share_its_params_and_each_matches_row_by_row(reqs, rows, allowed, seed):
+    """A request's n rows hold one params object, whose allowed ids (repeats allowed) and
+    logit_bias become tensors once, then are read from the cache: both steps are transformers'."""
+    for k, p in enumerate(reqs):
+        if p.allowed_token_ids is not None:
+            p.allowed_token_ids = allowed[k]
+    rows = [(reqs[k % len(reqs)], prompt, out) for k, prompt, out in rows]
+    logits = torch.randn(len(rows), V, generator=torch.Generator().manual_seed(seed)) * 4
+    hists = [Hist(prompt, out) for _, prompt, out in rows]
+    for _ in range(2):  # built, then cached
+        assert_rows_match(logits, process_logits(logits, [p for p, _, _ in rows], hists, eos_ids={EOS}), rows)
 
 
 def test_rows_without_processing_are_untouched_and_share_no_tensor():

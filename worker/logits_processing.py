@@ -1,0 +1,181 @@
+"""Logits processing for a batch of rows (the sampler's first stage), in vLLM's order: the
+structured-output grammar's mask (guided.py), allowed_token_ids, bad words, logit_bias,
+min_tokens, then the repetition, frequency and presence penalties (`_penalize`).
+
+Each kind is one batched tensor operation over the rows that use it (gather / scatter), never
+a dense [N, V] pass but for allowed_token_ids (everything else masked). A request's allowed ids
+and logit_bias become tensors once (`_request_ids`, cached per request while it runs), and its n
+rows share them: rebuilt from Python every step, 4,096 biases at n = 128 (half a million
+tuples) made each step of the worker 2 s long (an attack, 2026-12-07).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Protocol, Sequence
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+class History(Protocol):
+    """What a row's penalties look at: its sequence's tokens so far (prompt, then output)."""
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+
+_CACHED = 1024  # requests whose id tensors are kept (a batch holds at most max_num_seqs)
+_ids: "OrderedDict[int, tuple]" = OrderedDict()  # id(params) -> (params, key, allowed ids, bias ids, biases)
+_ids_lock = threading.Lock()  # engines of one process step on threads of their own
+
+
+def _request_ids(p, vocab: int, device) -> tuple:
+    """(allowed ids or None, logit_bias ids, their biases) of one request's params, as tensors on
+    `device`: ids outside the vocabulary dropped (check_vocab refused them before)."""
+    key = (vocab, str(device))
+    with _ids_lock:
+        hit = _ids.get(id(p))
+        if hit is not None and hit[0] is p and hit[1] == key:
+            _ids.move_to_end(id(p))
+            return hit[2:]
+    allowed = None
+    if p.allowed_token_ids is not None:
+        allowed = torch.tensor(sorted({t for t in p.allowed_token_ids if 0 <= t < vocab}) or [0], device=device)
+    bias = {t: b for t, b in (p.logit_bias or {}).items() if 0 <= t < vocab}
+    got = (allowed, torch.tensor(list(bias), dtype=torch.long, device=device),
+           torch.tensor(list(bias.values()), dtype=torch.float32, device=device))
+    with _ids_lock:  # the entry holds `p`, so its id is not reused while it is cached
+        _ids[id(p)] = (p, key) + got
+        while len(_ids) > _CACHED:
+            _ids.popitem(last=False)
+    return got
+
+
+def _by_request(rows: list[int], params: list) -> list[tuple[object, list[int]]]:
+    """`rows` grouped by their params object (a request's n rows share it), in first-seen order."""
+    groups: dict[int, tuple[object, list[int]]] = {}
+    for i in rows:
+        groups.setdefault(id(params[i]), (params[i], []))[1].append(i)
+    return list(groups.values())
+
+
+def _padded(rows: list[list[int]], device) -> torch.Tensor:
+    """[len(rows), longest] long: each row's ids, padded with its own first id (non-empty rows).
+    A repeated id reads and writes the same value, so the padding changes nothing."""
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [r[0]] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
+
+
+def _allow_only(logits: torch.Tensor, rows: list[int], params: list) -> None:
+    """Each of `rows` keeps only its request's allowed ids (the rest -inf)."""
+    device = logits.device
+    for p, rs in _by_request(rows, params):
+        ids = _request_ids(p, logits.shape[-1], device)[0]
+        r = torch.tensor(rs, device=device)[:, None]
+        kept = logits[r, ids[None, :]]
+        logits[r] = NEG_INF
+        logits[r, ids[None, :]] = kept
+
+
+def _add_biases(logits: torch.Tensor, rows: list[int], params: list) -> None:
+    """Each of `rows` gets its request's logit_bias added: one scatter for the whole batch."""
+    device = logits.device
+    r, t, v = [], [], []
+    for p, rs in _by_request(rows, params):
+        _, ids, biases = _request_ids(p, logits.shape[-1], device)
+        if len(ids):
+            r.append(torch.tensor(rs, device=device).repeat_interleave(len(ids)))
+            t.append(ids.repeat(len(rs)))
+            v.append(biases.to(logits.dtype).repeat(len(rs)))
+    if r:
+        logits.index_put_((torch.cat(r), torch.cat(t)), torch.cat(v), accumulate=True)
+
+
+def process_logits(logits: torch.Tensor, params: list, histories: Sequence[History] | None,
+                   eos_ids=(), grammars=None) -> torch.Tensor:
+    """float32 logits [N, V] with each row's logits processing applied (a new tensor when any is;
+    `logits` itself when no row asks for any). Each kind is one batched operation over the rows
+    that use it, touching only the ids it concerns (gather / scatter), never a dense [N, V] pass
+    but for allowed_token_ids (everything else masked)."""
+    rows = [i for i, p in enumerate(params) if p.processes_logits]
+    if not rows:
+        return logits
+    if histories is None:
+        raise ValueError("logits processing needs each row's tokens (histories)")
+    logits = logits.clone()
+    vocab, device = logits.shape[-1], logits.device
+
+    def put(r: list[int], t: list[int], values: list[float]) -> None:
+        """logits[r, t] = values; ids outside the vocabulary were refused before (check_vocab)
+        and are dropped here."""
+        keep = [(a, b, v) for a, b, v in zip(r, t, values) if 0 <= b < vocab]
+        if keep:
+            ri, ti, vi = zip(*keep)
+            logits.index_put_((torch.tensor(ri, device=device), torch.tensor(ti, device=device)),
+                              torch.tensor(vi, dtype=logits.dtype, device=device))
+
+    guided = [i for i in rows if params[i].guided is not None]
+    if guided:  # structured output first (vLLM's order): what the grammar allows next
+        if grammars is None:
+            raise ValueError("structured output needs the engine's grammars")
+        from folio.worker.guided import apply_bitmask
+        apply_bitmask(logits, guided, grammars.bitmask([histories[i] for i in guided]))
+    allowed = [i for i in rows if params[i].allowed_token_ids is not None]
+    if allowed:
+        _allow_only(logits, allowed, params)
+    r, t = [], []
+    for i in rows:  # bad words: ban a word's last token where the tokens before it end the sequence
+        words = params[i].bad_words_token_ids
+        if words:
+            toks = histories[i].token_ids
+            for w in words:
+                k = len(w) - 1
+                if k == 0 or (len(toks) >= k and toks[-k:] == w[:-1]):
+                    r.append(i)
+                    t.append(w[-1])
+    if r:
+        put(r, t, [NEG_INF] * len(r))
+    biased = [i for i in rows if params[i].logit_bias]
+    if biased:
+        _add_biases(logits, biased, params)
+    r, t = [], []
+    for i in rows:  # min_tokens: nothing that ends the sequence before it has that many tokens
+        p, h = params[i], histories[i]
+        if p.min_tokens and len(h.token_ids) - h.num_prompt_tokens < p.min_tokens:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+            r += [i] * len(stops)
+            t += sorted(stops)
+    if r:
+        put(r, t, [NEG_INF] * len(r))
+    _penalize(logits, rows, params, histories)
+    return logits
+
+
+def _penalize(logits: torch.Tensor, rows: list[int], params: list, histories: Sequence[History]) -> None:
+    """The repetition, frequency and presence penalties of `rows`, in place on float32 logits [N, V]:
+    one gather / scatter per kind over the rows that use it."""
+    vocab, device = logits.shape[-1], logits.device
+    rep = [i for i in rows if params[i].repetition_penalty != 1.0]
+    if rep:  # HF's RepetitionPenaltyLogitsProcessor: every id of the prompt and the output
+        ids = _padded([histories[i].token_ids for i in rep], device).clamp_(0, vocab - 1)
+        r = torch.tensor(rep, device=device)[:, None]
+        f = torch.tensor([params[i].repetition_penalty for i in rep], dtype=logits.dtype, device=device)[:, None]
+        v = logits[r, ids]
+        logits[r, ids] = torch.where(v > 0, v / f, v * f)
+    pen = [i for i in rows if (params[i].presence_penalty or params[i].frequency_penalty)
+           and len(histories[i].token_ids) > histories[i].num_prompt_tokens]
+    if pen:  # OpenAI's: logit -= count * frequency + (count > 0) * presence, over the output
+        outs = [histories[i].token_ids[histories[i].num_prompt_tokens:] for i in pen]
+        ids = _padded(outs, device).clamp_(0, vocab - 1)
+        width = ids.shape[1]
+        lens = torch.tensor([len(o) for o in outs], device=device)
+        real = torch.arange(width, device=device)[None, :] < lens[:, None]
+        counts = torch.zeros(len(pen), vocab, dtype=logits.dtype, device=device)
+        counts.scatter_add_(1, ids, real.to(logits.dtype))
+        c = counts.gather(1, ids)
+        r = torch.tensor(pen, device=device)[:, None]
+        freq = torch.tensor([params[i].frequency_penalty for i in pen], dtype=logits.dtype, device=device)[:, None]
+        pres = torch.tensor([params[i].presence_penalty for i in pen], dtype=logits.dtype, device=device)[:, None]
+        logits[r, ids] = logits[r, ids] - freq * c - pres
