@@ -16,7 +16,6 @@ ones; each frontend maps them to its status codes.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import os
 import time
@@ -27,6 +26,7 @@ from typing import AsyncIterator
 from folio.cluster.router import Router
 from folio.cluster.state import ClusterState
 from folio.cluster.worker_client import RayWorkerClient
+from folio.deploy.grammar_check import GrammarChecks
 from folio.deploy.metrics import Metrics
 from folio.deploy.stream_text import StreamInterval, StreamText, worker_params
 from folio.deploy.prompts import Prompts, plain_chat_prompt  # noqa: F401  (plain_chat_prompt: re-exported)
@@ -124,8 +124,7 @@ class Frontend:
         self.router = router or Router(state, RayWorkerClient(cfg.namespace, cfg.namespace), cfg.router)
         self.metrics = Metrics(ClusterState(cfg.redis_url, cfg.namespace), cfg.model_name)
         self.in_flight = 0
-        self._grammars = None  # structured output's compiler (worker/guided.py), made for the first such request
-        self._grammar_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="folio-grammar")
+        self.grammars = GrammarChecks(self.tokenizer, self.vocab_size)  # structured output's, before admission
 
     # ---- prompts and checks ------------------------------------------------------------
     async def text_ids(self, text: str) -> list[int]:
@@ -141,7 +140,8 @@ class Frontend:
         """Every bound the workers would enforce, checked before admission, so a request is
         refused whole (nothing of it runs) and no value the engine cannot take reaches it. A
         grammar compiles on a thread of its own (xgrammar lets go of the GIL): a schema that took
-        seconds to compile held this event loop, every stream and /health of the replica, as long."""
+        seconds to compile held this event loop, every stream and /health of the replica, as long
+        (grammar_check.py: compiles of distinct specs run side by side, a cached one waits for none)."""
         check_priority(priority)
         for ids in prompts:
             if len(ids) >= self.cfg.max_model_len:
@@ -157,17 +157,10 @@ class Frontend:
         resolve_bad_words(params, self.tokenizer)  # bad_words -> token ids here, so workers need no tokenizer
         check_vocab(params, self.vocab_size)
         if params.guided is not None:  # a schema the workers could not compile: refused before admission
-            await asyncio.get_running_loop().run_in_executor(self._grammar_thread, self._check_grammar, params.guided)
+            await self.grammars.check(params.guided)
         if len(prompts) > self.cfg.max_num_requests:
             raise InvalidRequestError(f"{len(prompts)} prompts in one request exceed the frontend's limit of "
                                       f"{self.cfg.max_num_requests} in flight", param="prompt")
-
-    def _check_grammar(self, spec) -> None:
-        """On the grammar thread: one at a time, so the compiler and its cache see one caller."""
-        if self._grammars is None:
-            from folio.worker.guided import Grammars
-            self._grammars = Grammars(self.tokenizer, self.vocab_size)
-        self._grammars.check(spec)
 
     async def default_max_tokens(self, n_prompt: int, n: int = 1) -> int:
         """A chat request without max_tokens gets what fits: up to max_model_len, and no more

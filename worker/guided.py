@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,9 +117,13 @@ class _Refused:
 
 
 class Grammars:
-    """The compiler and a cache of compiled grammars for one tokenizer."""
+    """The compiler and a cache of compiled grammars for one tokenizer, bounded by count and by
+    bytes (the least recently used go first): a compiled schema of 1,400 properties holds ~13 MB,
+    and 256 of them, under a count alone, held 3-5 GB in the frontend and in every worker (an
+    attack, 2026-12-07). xgrammar's own cache, unbounded by default, is off."""
 
     MAX_CACHED = 256
+    MAX_CACHED_BYTES = 256 << 20
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int] | None = None) -> None:
         import xgrammar as xgr
@@ -128,30 +133,50 @@ class Grammars:
         # the engine's EOS ids (generation_config's too): the grammar ends on what ends a sequence
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=stop_token_ids or None)
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self.utf8 = Utf8Mask(self.info.decoded_vocab, vocab_size)
-        self._cache: dict[GuidedSpec, Any] = {}
+        self._cache: OrderedDict[GuidedSpec, Any] = OrderedDict()  # oldest use first
+        self._cached_bytes = 0
         self._lock = threading.Lock()
         self.evaluating = None  # the sequence whose grammar is being evaluated (the step watchdog names it)
+
+    def cached(self, spec: GuidedSpec):
+        """The spec's compiled grammar if the cache holds it, else None; never compiles (an
+        event loop may ask). A spec refused before is refused again."""
+        with self._lock:
+            g = self._cache.get(spec)
+            if g is not None:
+                self._cache.move_to_end(spec)
+        if isinstance(g, _Refused):
+            raise InvalidRequestError(g.why, param="response_format")
+        return g
 
     def compiled(self, spec: GuidedSpec):
         """The spec's compiled grammar, from the cache or compiled now. Safe from several threads
         (a worker compiles a request's grammar on a thread before its step thread adds it)."""
-        with self._lock:
-            g = self._cache.get(spec)
+        g = self.cached(spec)
         if g is None:
             try:
                 g = self._compile(spec)  # outside the lock: xgrammar's compiler takes concurrent calls
                 self._allows_a_first_token(spec, g)
             except InvalidRequestError as e:  # kept too: the step thread does not compile it again
                 g = _Refused(str(e))
-            with self._lock:
-                if spec not in self._cache and len(self._cache) >= self.MAX_CACHED:
-                    self._cache.pop(next(iter(self._cache)))
-                self._cache[spec] = g
+            self._keep(spec, g)
         if isinstance(g, _Refused):
             raise InvalidRequestError(g.why, param="response_format")
         return g
+
+    def _keep(self, spec: GuidedSpec, g) -> None:
+        size = len(g.why) if isinstance(g, _Refused) else g.memory_size_bytes
+        with self._lock:
+            if spec in self._cache:
+                return
+            self._cache[spec] = g
+            self._cached_bytes += size
+            while len(self._cache) > 1 and (len(self._cache) > self.MAX_CACHED
+                                            or self._cached_bytes > self.MAX_CACHED_BYTES):
+                _, old = self._cache.popitem(last=False)  # (a sequence's matcher keeps its own reference)
+                self._cached_bytes -= len(old.why) if isinstance(old, _Refused) else old.memory_size_bytes
 
     def _compile(self, spec: GuidedSpec):
         c = self.compiler

@@ -248,3 +248,59 @@ def test_a_json_schema_past_the_nesting_bound_is_refused_before_it_compiles(llm,
         llm.generate([PROMPTS[0]], params)
     assert time.perf_counter() - t0 < 2.0
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_the_grammar_cache_is_bounded_by_bytes_and_keeps_the_most_recently_used(llm, monkeypatch):
+    """A compiled schema of 1,400 properties holds ~13 MB; under a count bound alone (256) the
+    frontend and every worker held 3-5 GB of them (an attack, 2026-12-07). Past the byte bound
+    the least recently used go; a spec used again stays; xgrammar's own cache holds nothing."""
+    from folio.worker.guided import Grammars
+
+    g = Grammars(llm.engine.tokenizer, llm.engine.vocab_size)
+    specs = [GuidedSpec("regex", f"[a-z]{{4}}{c}") for c in "abcdefgh"]  # alike in size
+    sizes = [g.compiled(s).memory_size_bytes for s in specs[:2]]
+    monkeypatch.setattr(g, "MAX_CACHED_BYTES", int(max(sizes) * 3.5))
+    for s in specs[2:]:
+        g.compiled(specs[0])  # used again each time: it stays
+        g.compiled(s)
+    assert g._cached_bytes <= g.MAX_CACHED_BYTES
+    assert g.cached(specs[0]) is not None and g.cached(specs[1]) is None and g.cached(specs[-1]) is not None
+    assert g._cached_bytes == sum(v.memory_size_bytes for v in g._cache.values())
+    assert g.compiler.get_cache_size_bytes() == 0
+
+
+def test_the_frontends_grammar_check_never_queues_behind_a_compile(model_dirs, monkeypatch):
+    """deploy/grammar_check.py: with every compile thread held, a cached spec is answered at
+    once; requests of one spec share one compile; past MAX_COMPILING distinct specs a request
+    is told to retry (429), and a bad spec is refused (400), again from the cache."""
+    import asyncio
+    import threading
+
+    from transformers import AutoTokenizer
+
+    import folio.deploy.grammar_check as gc
+    from folio.worker.errors import OverloadedError
+
+    checks = gc.GrammarChecks(AutoTokenizer.from_pretrained(model_dirs["llama"]), 512)
+    cheap, bad = GuidedSpec.choice(["yes", "no"]), GuidedSpec("regex", "(")
+    monkeypatch.setattr(gc, "MAX_COMPILING", 3)
+
+    async def main():
+        await checks.check(cheap)
+        with pytest.raises(InvalidRequestError, match="cannot be compiled"):
+            await checks.check(bad)
+        held, calls, real = threading.Event(), [], checks._compile
+        monkeypatch.setattr(checks, "_compile", lambda s: (calls.append(s), held.wait(30), real(s)))
+        slow = [GuidedSpec("regex", f"[0-9]{{{k}}}") for k in (2, 3, 4)]
+        waits = [asyncio.ensure_future(checks.check(s)) for s in slow + slow]
+        await asyncio.sleep(0.2)
+        await asyncio.wait_for(checks.check(cheap), 0.5)  # both threads held: from the cache
+        with pytest.raises(InvalidRequestError):
+            await asyncio.wait_for(checks.check(bad), 0.5)
+        with pytest.raises(OverloadedError):
+            await checks.check(GuidedSpec("regex", "[0-9]{9}"))
+        held.set()
+        await asyncio.wait_for(asyncio.gather(*waits), 30)
+        assert sorted(calls, key=str) == sorted(slow, key=str) and not checks._compiling
+        await checks.check(GuidedSpec("regex", "[0-9]{9}"))  # room again
+    asyncio.run(main())
