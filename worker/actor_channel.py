@@ -20,15 +20,16 @@ class FrontendChannels:
     def _apply_frame(self, conn, seq: int, batch) -> None:
         """(The step thread, between two steps.) A batch read from a frontend's TCP connection,
         applied here at once; its results go back on the connection before the step runs.
-        A batch that needs the event loop (a grammar to compile off this thread, an attach
-        that waits for an import, a close) goes through `commands` there, and the
-        connection's next batch waits for its reply."""
+        A batch that needs the event loop (an attach that waits for an import, a close)
+        goes through `commands` there, and the connection's next batch waits for its reply.
+        A submit whose grammar is not compiled here yet has its route opened at once and is
+        added once the grammar compiled on a thread (`_add_when_compiled`): the connection goes
+        on meanwhile (it held every later submit and abort of the frontend for the compile)."""
         box = conn.box if not conn.box.closed else None  # (closed: its submits are refused, as below)
         if not _well_formed(batch):
             conn.push(("e", seq, InvalidRequestError("a malformed command batch: nothing of it was applied")))
             return
-        if any(kind in ("attach", "close") or kind == "submit" and arg.params.guided is not None
-               for kind, arg in batch):
+        if any(kind in ("attach", "close") for kind, arg in batch):
             conn.held = True
 
             def done(f) -> None:
@@ -54,6 +55,9 @@ class FrontendChannels:
                 except Exception:  # (a failed engine)
                     results[i] = False
             elif self._open_route(arg, box):
+                if not self._grammar_ready(arg.params.guided):
+                    self._add_when_compiled(arg)
+                    continue
                 try:
                     self._add(self.engine, arg.request_id, arg,
                               mono_from_wall(arg.arrival_time) if arg.arrival_time is not None else None)
@@ -61,6 +65,40 @@ class FrontendChannels:
                     self._put(arg.request_id, err)
         conn.push(("r", seq, results))
         self._flush_out()
+
+    def _grammar_ready(self, spec) -> bool:
+        """Whether a submit with `spec` can be added now without compiling (a spec refused
+        before is: add_request refuses it)."""
+        if spec is None or self.engine is None:
+            return True
+        try:
+            return self.engine.grammars is not None and self.engine.grammars.cached(spec) is not None
+        except InvalidRequestError:
+            return True
+
+    def _add_when_compiled(self, req: GenerateRequest) -> None:
+        """(The step thread.) Compile `req`'s grammar on a thread, then add it between two steps,
+        if its route is still open: an abort meanwhile left a tombstone, which `_add` honours."""
+        rid, route = req.request_id, self._streams[req.request_id]
+
+        async def go() -> None:
+            await asyncio.to_thread(self._compile_grammars, [req.params.guided])
+
+            def add(e) -> None:
+                if self._streams.get(rid) is not route:  # its frontend left (or it was refused)
+                    return
+                try:
+                    self._add(e, rid, req, mono_from_wall(req.arrival_time) if req.arrival_time is not None else None)
+                except Exception as err:
+                    self._put(rid, err)
+            try:
+                await self._call(add)
+            except UnavailableError as err:  # failed meanwhile
+                self._put(rid, err)
+        try:
+            asyncio.run_coroutine_threadsafe(go(), self._loop)
+        except RuntimeError as e:  # (no event loop any more)
+            self._put(rid, UnavailableError(f"worker {self.worker_id} is stopping: {e}"))
 
     def _conn_dropped(self, conn) -> None:
         """(The step thread.) A frontend's connection ended: its requests here are aborted."""

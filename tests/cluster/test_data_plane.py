@@ -7,6 +7,7 @@ worker and leave nothing behind."""
 
 import asyncio
 import pickle
+import re
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -114,6 +115,70 @@ def test_frames_carry_a_frontends_requests_and_a_closed_connection_aborts_them(m
         # (commands() returns once its batch is applied: a late submit that ran shows at once)
         assert (await w.stats())["num_streams"] == 0
         assert (await _idle(w))["num_streams"] == 0
+        await w.check_invariants()
+
+    asyncio.run(main())
+
+
+def test_a_grammar_compiling_holds_back_nothing_else_of_its_frontend(model, offline, tokenizer):
+    """A submit whose grammar the worker has not compiled yet held the whole connection for the
+    compile: every later submit and abort of that frontend waited (seconds, for a large schema).
+    Now its route opens at once and it is added once compiled; the rest goes on meanwhile. An
+    abort, or the connection's close, while it compiles still wins, and nothing is left."""
+    import threading
+
+    from folio.worker.guided import GuidedSpec
+
+    w = make_worker(model, "w0")
+    gate, real = threading.Event(), None
+
+    def held_compile(spec):
+        gate.wait(60)
+        real(spec)
+
+    async def main():
+        nonlocal real
+        c = _Conn(*await data_plane.connect(*await w.data_address(), "fe-g"))
+        real = w.engine.compile_grammar
+        w.engine.compile_grammar = held_compile
+        guided = SamplingParams(max_tokens=12, temperature=0.0, guided=GuidedSpec("regex", "[0-9]{3}-[a-z]{4}"))
+        first = c.send([("submit", GenerateRequest(request_id="g", prompt_token_ids=[5, 6, 7], params=guided))])
+        plain = GenerateRequest(request_id="p", prompt_token_ids=tokenizer(PROMPTS[0]).input_ids,
+                                params=SamplingParams(**GREEDY))
+        second = c.send([("submit", plain)])
+        third = c.send([("submit", GenerateRequest(request_id="g2", prompt_token_ids=[5, 6], params=guided)),
+                        ("abort", "g2")])
+        tokens, ends = {}, {}
+        while "p" not in ends:  # the plain request runs to its end while the grammar compiles
+            for rid, item in await c.chunks():
+                tokens.setdefault(rid, []).extend(t for d in item.deltas for t in d.token_ids)
+                if item.finished:
+                    ends[rid] = item.deltas[0].finish_reason
+        assert tokens["p"] == offline[PROMPTS[0]] and "g" not in tokens and not gate.is_set()
+        assert await c.result(first) == [None] and await c.result(second) == [None]
+        assert await c.result(third) == [None, False]  # not added yet: its tombstone wins when it is
+        gate.set()
+        while len(ends) < 3:
+            for rid, item in await c.chunks():
+                tokens.setdefault(rid, []).extend(t for d in item.deltas for t in d.token_ids)
+                if item.finished:
+                    ends[rid] = item.deltas[0].finish_reason
+        text = tokenizer.decode(tokens["g"], skip_special_tokens=True)
+        assert re.fullmatch("[0-9]{3}-[a-z]{4}", text), text
+        assert ends["g2"] == "abort" and not tokens.get("g2")
+        gate.clear()  # a close while a grammar compiles: nothing of it runs after
+        c.send([("submit", GenerateRequest(request_id="g3", prompt_token_ids=[5, 6],
+                                           params=SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True,
+                                                                 guided=GuidedSpec("regex", "[a-z]{1,300}"))))])
+        async def opened():
+            return (await w.stats())["num_streams"] == 1 or None
+        await until(opened, "the route open", 10, interval_s=0.01)
+        c.writer.close()
+        await asyncio.sleep(0.2)
+        gen0 = await w._call(lambda e: e.num_generated_tokens)
+        gate.set()
+        assert (await _idle(w))["num_running"] == 0
+        assert await w._call(lambda e: e.num_generated_tokens) == gen0, "a request ran after its frontend left"
         await w.check_invariants()
 
     asyncio.run(main())
