@@ -17,13 +17,14 @@ from __future__ import annotations
 from importlib import metadata
 
 from folio.deploy.frontend import Frontend
-from folio.deploy.openai_http import resolve_model
-from folio.deploy.openai_schema import DetokenizeRequest, TokenizeRequest, parse
+from folio.deploy.openai_http import parse_body, resolve_model, too_many_messages
+from folio.deploy.openai_schema import DetokenizeRequest, TokenizeRequest
 from folio.worker.sampling_params import check_token_ids
 
 
 async def tokenize(frontend: Frontend, body: dict) -> dict:
-    req = parse(TokenizeRequest, body)
+    too_many_messages(frontend, body)
+    req = await parse_body(TokenizeRequest, body)
     resolve_model(frontend, req.model)
     req.check()
     p = frontend.prompts
@@ -42,7 +43,7 @@ async def tokenize(frontend: Frontend, body: dict) -> dict:
 
 
 async def detokenize(frontend: Frontend, body: dict) -> dict:
-    req = parse(DetokenizeRequest, body)
+    req = await parse_body(DetokenizeRequest, body)
     resolve_model(frontend, req.model)
     ids = check_token_ids(req.tokens, frontend.vocab_size, "tokens", "tokens") if req.tokens else []
     return {"prompt": await frontend.prompts.run(frontend.tokenizer.decode, ids)}

@@ -88,12 +88,18 @@ class Prompts:
         tool_calls, tool_call_id as transformers' templates expect); template_kwargs go to the template."""
         if not messages:
             raise InvalidRequestError("messages must be a non-empty list")
-        extra = [_strings(m, skip="content") for m in messages] + [_strings(template_kwargs or {})]
-        self.check_length(sum(len(m["content"]) for m in messages) + sum(len(s) for e in extra for s in e))
+        extra = (self._extra(messages, template_kwargs) if len(messages) < 256 else  # (off the loop when long)
+                 await asyncio.to_thread(self._extra, messages, template_kwargs))
         ids = await self.run(self._chat, messages, add_generation_prompt, template_kwargs or {}, extra)
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         return ids
+
+    def _extra(self, messages: list[dict], template_kwargs: dict | None) -> list[list[str]]:
+        """Each message's strings but its content, and the template kwargs', once the length is checked."""
+        extra = [_strings(m, skip="content") for m in messages] + [_strings(template_kwargs or {})]
+        self.check_length(sum(len(m["content"]) for m in messages) + sum(len(s) for e in extra for s in e))
+        return extra
 
     def _chat(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict, extra: list[list[str]]
               ) -> list[int]:
