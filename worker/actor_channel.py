@@ -69,12 +69,7 @@ class FrontendChannels:
     def _grammar_ready(self, spec) -> bool:
         """Whether a submit with `spec` can be added now without compiling (a spec refused
         before is: add_request refuses it)."""
-        if spec is None or self.engine is None:
-            return True
-        try:
-            return self.engine.grammars is not None and self.engine.grammars.cached(spec) is not None
-        except InvalidRequestError:
-            return True
+        return spec is None or self.engine is None or self.engine.grammar_compiled(spec)
 
     def _add_when_compiled(self, req: GenerateRequest) -> None:
         """(The step thread.) Compile `req`'s grammar on a thread, then add it between two steps,

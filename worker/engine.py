@@ -140,6 +140,13 @@ class LLMEngine(RequestQueries, Postprocess):
         with contextlib.suppress(InvalidRequestError):
             self.guided_grammars().compiled(spec)
 
+    def grammar_compiled(self, spec) -> bool:
+        """Whether add_request would compile nothing for `spec` (compiled, or refused, before)."""
+        try:
+            return self.grammars is not None and self.grammars.cached(spec) is not None
+        except InvalidRequestError:
+            return True
+
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:

@@ -4,7 +4,7 @@ simulated runner (cluster/sim/); nothing outside worker/engine*.py touches more 
 
 The contract (LLMEngine's docstrings hold the details):
 - one caller (the worker's step thread) drives it; nothing here is thread-safe but
-  compile_grammar;
+  compile_grammar and grammar_compiled;
 - a call that raises InvalidRequestError changed nothing;
 - a request is forgotten after its final output, its abort, or its export.
 """
@@ -39,6 +39,7 @@ class EngineCore(Protocol):
     # the one call safe from another thread: a grammar compiled off the step thread, before
     # add_request asks for it (the worker's channel does this); a refusal is kept for add_request
     def compile_grammar(self, spec: GuidedSpec) -> None: ...
+    def grammar_compiled(self, spec: GuidedSpec) -> bool: ...  # add_request would compile nothing
 
     # ---- moving requests (engine_migration.py) and preempting them for the coordinator
     def export_request(self, request_id: str) -> RequestState: ...
