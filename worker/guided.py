@@ -257,6 +257,9 @@ class Grammars:
                     raise InvalidRequestError(why, param="response_format")
         finally:
             self.evaluating = None
+            for s in seqs:  # what each request's masks took, for the step's share (guided_budget.py)
+                req = getattr(s, "group", s)
+                req.fill_s = spent.get(id(req), 0.0)
         if self.utf8.restrict(bm, seqs):
             raise InvalidRequestError("no token the request's grammar allows here keeps the output well-formed "
                                       "UTF-8", param="response_format")

@@ -32,6 +32,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+from folio.worker import guided_budget
 from folio.worker.block_manager import KVCacheManager
 from folio.worker.preemption import PreemptionRates, choose_mode, choose_victim
 from folio.worker.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -88,6 +89,7 @@ class Scheduler:
         self._waiting: list[tuple[int, float, int, Sequence]] = []  # heap (priority, arrival, id, seq)
         self._num_waiting = 0
         self.stats = SchedulerStats()
+        self.steps = 0
 
     # ---- queue management --------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
@@ -226,9 +228,13 @@ class Scheduler:
         by_id: dict[int, Sequence] = {}
         cap = self.long_prefill_tokens or budget  # step 3
 
-        i = 0
+        i, self.steps = 0, self.steps + 1
+        sit_out = guided_budget.deferred(self.running, self.steps)  # costly grammars, past their share
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if sit_out and id(seq.group) in sit_out:
+                i += 1
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, cap)
             while not self.kv.allocate_slots(seq, n):
                 victim = choose_victim(self.running)

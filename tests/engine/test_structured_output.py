@@ -304,3 +304,30 @@ def test_the_frontends_grammar_check_never_queues_behind_a_compile(model_dirs, m
         assert sorted(calls, key=str) == sorted(slow, key=str) and not checks._compiling
         await checks.check(GuidedSpec("regex", "[0-9]{9}"))  # room again
     asyncio.run(main())
+
+
+def test_costly_grammars_share_a_step_and_slow_only_their_own_requests(llm, monkeypatch):
+    """Masks made to take 0.06 s each (a clock that moves so across each fill): past the first
+    step, the guided requests' masks share STEP_FILL_S (0.1 s), so one of them runs a step, in
+    turn; the plain request beside them runs every step; every output is the one it has alone."""
+    import folio.worker.guided as guided
+    from folio.worker import guided_budget
+
+    plain = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    slow = [SamplingParams(max_tokens=6, temperature=0.0, guided=GuidedSpec("regex", f"[a-z]{{2,4}}-{k}[0-9]"))
+            for k in range(3)]
+    alone = [llm.generate([PROMPTS[0]], p)[0].token_ids for p in [plain] + slow]
+    clock = iter(range(10**6))  # guided.py reads its clock twice a fill, and nowhere else
+    monkeypatch.setattr(guided, "time", SimpleNamespace(perf_counter=lambda: 0.06 * next(clock)))
+    steps, schedule = [], llm.engine.scheduler.schedule
+
+    def logged():
+        out = schedule()
+        steps.append([s.params for s, _ in out.scheduled])
+        return out
+    monkeypatch.setattr(llm.engine.scheduler, "schedule", logged)
+    outs = llm.generate([PROMPTS[0]] * 4, [plain] + slow)
+    assert [o.token_ids for o in outs] == alone and all(o.error is None for o in outs)
+    guided_per_step = [sum(1 for p in step if p.guided is not None) for step in steps]
+    assert max(guided_per_step[2:]) == 1 and 0.06 * 2 > guided_budget.STEP_FILL_S, guided_per_step
+    assert all(plain in step for step in steps[:len(alone[0])]), "the plain request sat a step out"
