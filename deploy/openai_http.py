@@ -89,17 +89,27 @@ def _too_many_prompts(frontend: Frontend, body) -> None:
 
 
 def too_many_messages(frontend: Frontend, body) -> None:
-    """Before a chat body is parsed: more messages (and content parts) than max_model_len
-    tokens could hold is refused at once. Each costs work in proportion before the length
-    check (parsing, the template's dicts, their strings): 120,000 one-letter messages (4 MB)
-    took 5.7 s to refuse and held /health up to 4.2 s (an attack, 2026-12-07)."""
-    msgs = body.get("messages") if isinstance(body, dict) else None
-    if not isinstance(msgs, list):
+    """Before a chat body is parsed: more objects and arrays in its `messages` and `tools`
+    (messages, content parts, tool calls, tools and their schemas: each renders as one token
+    at least) than max_model_len is refused at once. Each costs work in proportion before the
+    prompt's length is known (parsing, the template's dicts, their strings): 120,000
+    one-letter messages (4 MB) took 5.7 s to refuse and held /health up to 4.2 s, 50,000 tools
+    4 s and 2.4 s (attacks, 2026-12-07)."""
+    if not isinstance(body, dict):
         return
-    parts = len(msgs) + sum(len(m["content"]) for m in msgs if isinstance(m, dict) and isinstance(m.get("content"), list))
-    if parts > frontend.cfg.max_model_len:
-        raise InvalidRequestError(f"{len(msgs)} messages ({parts} with their content parts) cannot fit in "
-                                  f"max_model_len ({frontend.cfg.max_model_len}) tokens", param="messages")
+    limit = frontend.cfg.max_model_len
+    n, todo = 0, [body.get("messages"), body.get("tools")]
+    while todo and n <= limit:  # stops past the limit: a walk of at most that many
+        v = todo.pop()
+        if isinstance(v, dict):
+            n += 1
+            todo.extend(v.values())
+        elif isinstance(v, list):
+            n += 1
+            todo.extend(v)
+    if n > limit:
+        raise InvalidRequestError(f"the messages and tools hold more than {limit} objects and arrays: they cannot "
+                                  f"fit in max_model_len ({limit}) tokens", param="messages")
 
 
 async def parse_body(model, body):

@@ -331,14 +331,21 @@ def test_a_prompt_list_that_can_never_be_admitted_is_refused_before_any_work(fol
 
 
 def test_chat_messages_that_can_never_fit_are_refused_before_any_work(folio_server):
-    """More messages (content parts counted) than max_model_len tokens can hold: 400 naming
-    `messages`, before the body is parsed; 120,000 one-letter messages took 5.7 s to refuse
-    and held /health up to 4.2 s. /tokenize likewise. Just under the bound they are parsed and
+    """More objects and arrays in messages and tools (messages, content parts, tool calls,
+    tools) than max_model_len tokens can hold: 400 naming `messages`, before the body is
+    parsed; 120,000 one-letter messages took 5.7 s to refuse and held /health up to 4.2 s,
+    50,000 tools 4 s. /tokenize likewise. Just under the bound they are parsed and
     refused by the prompt's length, or served."""
     many = [{"role": "user", "content": "a"}] * 120_000
     parts = [{"role": "user", "content": [{"type": "text", "text": "a"}] * 60_000}]
+    calls = [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": f"c{k}", "type": "function", "function": {"name": "f", "arguments": "{}"}} for k in range(100)]}] * 500
+    tools = [{"type": "function", "function": {"name": f"f{k}", "parameters": {"type": "object", "properties": {}}}}
+             for k in range(50_000)]
     for path, body in (("/v1/chat/completions", {"messages": many, "max_tokens": 1}),
                        ("/v1/chat/completions", {"messages": parts, "max_tokens": 1}),
+                       ("/v1/chat/completions", {"messages": calls, "max_tokens": 1}),
+                       ("/v1/chat/completions", {"messages": many[:1], "tools": tools, "max_tokens": 1}),
                        ("/tokenize", {"messages": many})):
         t0 = time.monotonic()
         err = error_of(*post(folio_server, path, body))
