@@ -15,7 +15,7 @@ import itertools
 import threading
 import time
 
-from folio.worker import fault_isolation
+from folio.worker import fault_isolation, guided_budget
 from folio.worker.block_manager import KVCacheManager, PagedKVManager
 from folio.worker.config import EngineConfig
 from folio.worker.contiguous_kv import ContiguousKVManager
@@ -223,6 +223,7 @@ class LLMEngine(RequestQueries, Postprocess):
         t2 = time.perf_counter()
         sample_seqs, logits, ran = fault_isolation.forward(self.runner, self.kv, sched.scheduled, blamed, self.streak)
         t3 = time.perf_counter()
+        self.scheduler.mask_share_s = guided_budget.share(t3 - t2)  # costly grammars' share of a step
         if sched.num_batched_tokens >= 64:  # a prompt-sized batch: what recomputing costs
             self.rates.prefill_tokens_per_s = PreemptionRates.ema(self.rates.prefill_tokens_per_s,
                                                                   sched.num_batched_tokens / max(t3 - t2, 1e-9))

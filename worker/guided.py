@@ -120,10 +120,12 @@ class Grammars:
     """The compiler and a cache of compiled grammars for one tokenizer, bounded by count and by
     bytes (the least recently used go first): a compiled schema of 1,400 properties holds ~13 MB,
     and 256 of them, under a count alone, held 3-5 GB in the frontend and in every worker (an
-    attack, 2026-12-07). xgrammar's own cache, unbounded by default, is off."""
+    attack, 2026-12-07). The bytes are xgrammar's own figure (`memory_size_bytes`): the process
+    grew ~1.45x that per schema, so 128 MB of it is ~190 MB of memory. xgrammar's own cache,
+    unbounded by default, is off."""
 
     MAX_CACHED = 256
-    MAX_CACHED_BYTES = 256 << 20
+    MAX_CACHED_BYTES = 128 << 20
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int] | None = None) -> None:
         import xgrammar as xgr

@@ -89,7 +89,7 @@ class Scheduler:
         self._waiting: list[tuple[int, float, int, Sequence]] = []  # heap (priority, arrival, id, seq)
         self._num_waiting = 0
         self.stats = SchedulerStats()
-        self.steps = 0
+        self.steps, self.mask_share_s = 0, guided_budget.STEP_FILL_S  # (the engine sets the share)
 
     # ---- queue management --------------------------------------------------------------
     def add(self, group: SequenceGroup) -> None:
@@ -229,7 +229,7 @@ class Scheduler:
         cap = self.long_prefill_tokens or budget  # step 3
 
         i, self.steps = 0, self.steps + 1
-        sit_out = guided_budget.deferred(self.running, self.steps)  # costly grammars, past their share
+        sit_out = guided_budget.deferred(self.running, self.steps, self.mask_share_s)  # costly grammars
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if sit_out and id(seq.group) in sit_out:

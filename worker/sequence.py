@@ -111,6 +111,7 @@ class SequenceGroup:
         self.guided_too_slow: str | None = None  # why its grammar's masks were refused (guided.py)
         self.fill_s = 0.0  # its grammar's masks' time, its last token (guided.py); guided_budget.py
         self.fill_ran_at = 0  # the scheduler's step it last ran in, as a costly grammar (guided_budget.py)
+        self.fill_credit = 0.0  # its share of the steps' mask time earned, not spent (guided_budget.py)
         self.seqs: list[Sequence] = [Sequence(self, 0, prompt_token_ids)]
         self.forked = params.n == 1  # children are created when the prompt's prefill completes
         self.seqs[0].generator = self.make_generator(0)
