@@ -226,7 +226,11 @@ class Grammars:
         return m
 
     def accept(self, seq, token: int) -> None:
-        """After the draw: the sequence's matcher takes `token` (a new matcher replays the output)."""
+        """After the draw: the sequence's matcher takes `token` (a new matcher replays the output).
+        A request whose masks took too long (`bitmask`) fails here."""
+        why = getattr(getattr(seq, "group", seq), "guided_too_slow", None)
+        if why is not None:
+            raise InvalidRequestError(why, param="response_format")
         self.evaluating = seq
         try:
             if seq.grammar is None:
@@ -246,17 +250,15 @@ class Grammars:
             for i, s in enumerate(seqs):
                 m = self.matcher(s)
                 req = getattr(s, "group", s)  # the request: its n sequences share one budget
-                why = getattr(req, "guided_too_slow", None)
-                if why is not None:  # the request alone, again (fault isolation): not a second slow fill
-                    raise InvalidRequestError(why, param="response_format")
+                if getattr(req, "guided_too_slow", None) is not None:  # failed: no second slow fill; its
+                    continue  # rows stay all-allowed and `accept` fails it after the draw, the batch's others untouched
                 self.evaluating, t0 = s, time.perf_counter()
                 m.fill_next_token_bitmask(bm, i)
                 took = spent[id(req)] = spent.get(id(req), 0.0) + time.perf_counter() - t0
-                if took > FILL_BUDGET_S:
+                if took > FILL_BUDGET_S:  # (raising here re-sampled the whole batch, refilling every mask)
                     kind = s.params.guided.kind.replace("_", " ")
-                    why = req.guided_too_slow = (f"the request's {kind} {TOO_AMBIGUOUS}: one token took {took:.2f} s "
-                                                 f"(the limit is {FILL_BUDGET_S} s, all its sequences together)")
-                    raise InvalidRequestError(why, param="response_format")
+                    req.guided_too_slow = (f"the request's {kind} {TOO_AMBIGUOUS}: one token took {took:.2f} s "
+                                           f"(the limit is {FILL_BUDGET_S} s, all its sequences together)")
         finally:
             self.evaluating = None
             for s in seqs:  # what each request's masks took, for the step's share (guided_budget.py)

@@ -217,9 +217,20 @@ def test_the_fill_budget_is_the_requests_whole_not_each_sequences(llm, monkeypat
     four = SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=3, guided=GuidedSpec("regex", r"[a-z]{2,6}"))
     plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     alone = llm.generate(PROMPTS[:2], [plain, one])
+    calls, per_step, bitmask, step = [], [], guided.Grammars.bitmask, llm.engine.step
+
+    def counted_step():
+        before = len(calls)
+        try:
+            return step()
+        finally:
+            per_step.append(len(calls) - before)
+    monkeypatch.setattr(guided.Grammars, "bitmask", lambda self, seqs: (calls.append(1), bitmask(self, seqs))[1])
+    monkeypatch.setattr(llm.engine, "step", counted_step)
     outs = llm.generate(PROMPTS[:3], [plain, one, four])
     assert [o.token_ids for o in outs[:2]] == [o.token_ids for o in alone] and outs[0].error is outs[1].error is None
     assert outs[2].error is not None and "too ambiguous" in outs[2].error and "all its sequences" in outs[2].error
+    assert max(per_step) == 1, f"a failed request had the batch sampled again, every mask filled again: {per_step}"
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.stats().num_free_blocks == llm.engine.stats().num_kv_blocks
 
