@@ -116,6 +116,11 @@ class _Refused:
     why: str  # the spec's compile error, cached as a grammar is
 
 
+def _size(g) -> int:
+    """A cache entry's bytes: xgrammar's figure for a compiled grammar, a refusal's message."""
+    return len(g.why) if isinstance(g, _Refused) else g.memory_size_bytes
+
+
 class Grammars:
     """The compiler and a cache of compiled grammars for one tokenizer, bounded by count and by
     bytes (the least recently used go first): a compiled schema of 1,400 properties holds ~13 MB,
@@ -169,16 +174,15 @@ class Grammars:
         return g
 
     def _keep(self, spec: GuidedSpec, g) -> None:
-        size = len(g.why) if isinstance(g, _Refused) else g.memory_size_bytes
         with self._lock:
             if spec in self._cache:
                 return
             self._cache[spec] = g
-            self._cached_bytes += size
+            self._cached_bytes += _size(g)
             while len(self._cache) > 1 and (len(self._cache) > self.MAX_CACHED
                                             or self._cached_bytes > self.MAX_CACHED_BYTES):
                 _, old = self._cache.popitem(last=False)  # (a sequence's matcher keeps its own reference)
-                self._cached_bytes -= len(old.why) if isinstance(old, _Refused) else old.memory_size_bytes
+                self._cached_bytes -= _size(old)
 
     def _compile(self, spec: GuidedSpec):
         c = self.compiler
