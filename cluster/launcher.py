@@ -37,6 +37,7 @@ DRAIN_MARGIN_S = 2.0  # past the grace period, how long a drain waits for the wo
 os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
 
 from folio.cluster.coordinator import CoordinatorActor  # noqa: E402
+from folio.cluster.ray_start import RayStart  # noqa: E402
 from folio.cluster.redis_server import EmbeddedRedis  # noqa: E402
 from folio.cluster.router import Router  # noqa: E402
 from folio.cluster.state import ClusterState, WorkerPublisher  # noqa: E402
@@ -57,7 +58,7 @@ class ClusterConfig:
     redis_url: str | None = None  # None: an embedded Redis server owned by the cluster
     router: str = "least-loaded"
     address: str | None = None  # join this Ray cluster instead of starting one
-    host: str = "127.0.0.1"  # what a Ray started here binds to (bind_ray_to); the embedded Redis is loopback
+    host: str = "127.0.0.1"  # what a Ray started here binds to (ray_start.bind_ray_to); the embedded Redis is loopback
     namespace: str = "folio"  # Redis key prefix and actor-name prefix
     engine_args: dict = field(default_factory=dict)  # EngineConfig fields for every worker
     worker_num_cpus: float = 0.5  # fractional: several workers share this machine's cores
@@ -84,37 +85,6 @@ class ClusterConfig:
         ModelConfig.from_dir(self.model)  # and that the checkpoint is there (ModelLoadError)
 
 
-def bind_ray_to(host: str) -> dict:
-    """ray.init options so that a Ray started here listens only where `folio serve` was told.
-
-    Ray 2.60's servers (GCS, raylet and object manager, every worker's core-worker gRPC
-    port, the dashboard and runtime-env agents) bind to 127.0.0.1 when the node's IP is
-    127.0.0.1 and to every interface otherwise; there is no finer bind option. ray.init
-    turns a loopback `_node_ip_address` into the machine's routable IP unless Ray is in
-    its single-machine mode (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, the default on macOS
-    and Windows), so a loopback --host selects that mode; it is a single-machine cluster
-    anyway. Another specific --host is the IP Ray advertises (its servers still listen on
-    all interfaces); 0.0.0.0 / :: leave Ray's defaults.
-    """
-    import ipaddress
-
-    if host == "localhost":
-        host = "127.0.0.1"
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:  # a name: resolved by Ray as the node address
-        return {"_node_ip_address": host}
-    if ip.is_unspecified:
-        return {}
-    if ip.is_loopback:
-        from ray._private import ray_constants
-
-        os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"  # Ray's child processes
-        ray_constants.ENABLE_RAY_CLUSTER = False  # read by ray.init's address resolution
-        return {"_node_ip_address": "127.0.0.1"}
-    return {"_node_ip_address": host}
-
-
 def make_engine(config: EngineConfig, torch_threads: int | None):
     """Runs inside the worker actor: the engine on this worker's GPU, or the CPU."""
     import torch
@@ -139,24 +109,25 @@ class FolioCluster:
         self.state: ClusterState | None = None
         self._started_ray = False
         self._ray_temp_dir: str | None = None  # removed on shutdown
+        self._ray_start: RayStart | None = None
         self.groups: dict[str, object] = {}  # worker id -> the placement group of its ranks (TP > 1)
 
     # ---- start ------------------------------------------------------------------------
     def start(self, on_ray_up=None) -> "FolioCluster":
-        """`on_ray_up`: called once Ray is up (ray.init installs its own signal handlers)."""
+        """`on_ray_up`: called once Ray is up (its core worker installs its own signal handlers).
+        ray.init runs off this thread (RayStart): a signal that lands meanwhile interrupts only the
+        wait, and `shutdown` lets ray.init end before it releases anything."""
         import ray
 
         cfg = self.config
         if not ray.is_initialized():
             self._started_ray = True  # before: a stop inside ray.init still shuts down what it started
-            if cfg.address:
-                ray.init(address=cfg.address, namespace=cfg.namespace, log_to_driver=False)
-            else:
+            if not cfg.address:
                 self._ray_temp_dir = tempfile.mkdtemp(prefix="folio-ray-", dir="/tmp")
-                ray.init(num_gpus=sum(cfg.tensor_parallel_sizes), num_cpus=max(os.cpu_count() or 1, 2),
-                         namespace=cfg.namespace,
-                         include_dashboard=False, log_to_driver=False, _temp_dir=self._ray_temp_dir,
-                         **bind_ray_to(cfg.host))
+            self._ray_start = RayStart(address=cfg.address, namespace=cfg.namespace,
+                                       num_gpus=sum(cfg.tensor_parallel_sizes), host=cfg.host,
+                                       temp_dir=self._ray_temp_dir)
+            self._ray_start.run()
         if on_ray_up is not None:
             on_ray_up()
         if self.redis_url is None:
@@ -254,11 +225,18 @@ class FolioCluster:
             if drains:  # no Ray call without an actor: ray.get([]) starts a Ray where a stop cut ray.init short
                 ray.get(drains, timeout=grace_s + DRAIN_MARGIN_S)
 
+    def settle(self) -> None:
+        """A stop that interrupted `start` while ray.init ran: ray.init ends first (it goes on,
+        on its own thread; a shutdown in the middle of it is undefined)."""
+        if self._ray_start is not None:
+            self._ray_start.settle()
+
     def shutdown(self, grace_s: float = 10.0) -> None:
         """Stop admitting, let in-flight requests finish for `grace_s`, abort the rest,
         then release the actors, Redis (if owned) and Ray (if started here)."""
         import ray
 
+        self.settle()
         if self.coordinator is not None:
             try:
                 ray.get(self.coordinator.stop.remote(), timeout=5)
@@ -294,6 +272,9 @@ class FolioCluster:
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+        if self._ray_start is not None:
+            self._ray_start.release()
+            self._ray_start = None
         if self._ray_temp_dir is not None:  # Ray's session logs and sockets: nothing outlives a clean exit
             shutil.rmtree(self._ray_temp_dir, ignore_errors=True)
             self._ray_temp_dir = None

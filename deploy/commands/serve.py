@@ -84,11 +84,20 @@ def cluster_config(args):
 class Stopped(BaseException):
     """A SIGINT or SIGTERM while the cluster starts: raised where the main thread is, so the
     start unwinds and releases what did start (Ray's own handler, which ray.init installs for
-    SIGTERM, ended the process at once and left the embedded Redis running)."""
+    SIGTERM when it runs on the main thread, ended the process at once and left the embedded
+    Redis running; it now runs on a thread of its own, cluster/ray_start.py)."""
 
 
-def _stop_now(signum, frame) -> None:
-    raise Stopped(signum)
+def _stopper(stop: threading.Event):
+    """The handler while the cluster starts: it records the stop, then raises it where the main
+    thread is. An exception raised inside an at-fork hook, a `__del__` or a weakref callback is
+    only printed ("Exception ignored"): the record ends the start at its next check instead."""
+
+    def stop_now(signum, frame) -> None:
+        stop.set()
+        raise Stopped(signum)
+
+    return stop_now
 
 
 def _adopt_orphans() -> None:
@@ -155,13 +164,19 @@ def main(args) -> int:
     t0 = time.monotonic()
     stage = "the cluster did not start"
     _adopt_orphans()
+    stop = threading.Event()
     try:
-        _on_signals(_stop_now)
-        cluster.start(on_ray_up=lambda: _on_signals(_stop_now))  # again: after ray.init's own
+        _on_signals(_stopper(stop))
+        cluster.start(on_ray_up=lambda: _on_signals(_stopper(stop)))  # again: over the core worker's
         stage = "the frontends did not start"
         frontends = start_frontends(args, cluster)
-    except (Exception, Stopped, SystemExit) as e:  # SystemExit: Ray's handler, while ray.init runs
+        _on_signals(lambda *_: stop.set())
+        if stop.is_set():  # a stop whose exception was swallowed on the way
+            raise Stopped(signal.SIGTERM)
+    except (Exception, Stopped, SystemExit) as e:  # SystemExit: a handler of Ray's, should one run
         _on_signals(signal.SIG_IGN)  # a second Ctrl-C does not cut the clean-up short
+        cluster.settle()  # a ray.init the stop interrupted ends first: its core worker sets absl's handlers
+        _on_signals(signal.SIG_IGN)  # over those
         _cancel_abort_alarm()
         stopped = isinstance(e, (Stopped, SystemExit))
         print("folio serve: stopped while starting" if stopped else
@@ -171,8 +186,6 @@ def main(args) -> int:
         if stopped:
             _exit_at_once(0)
         return 2
-    stop = threading.Event()
-    _on_signals(lambda *_: stop.set())
     print(f"folio serve: ready in {time.monotonic() - t0:.1f} s: {args.num_workers} workers, router "
           f"{args.router}, redis {redis_description(cluster)}" + frontends, flush=True)
     try:
