@@ -9,7 +9,8 @@ re-attaches the client's stream. Moves run concurrently; a failed move is counte
 and the request stays where it was.
 
 `Coordinator` is plain asyncio (the simulated cluster runs it in-process);
-`CoordinatorActor` is the same thing as a Ray actor.
+`CoordinatorActor` is the same thing as a Ray actor, which also restarts a worker whose process
+stopped answering (liveness.py); with one worker that is all it does.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 import threading
 import time
 
+from folio.cluster.liveness import FrozenWatch
 from folio.cluster.placement import Move, plan_moves, victim_queries
 from folio.cluster.state import ClusterState
 from folio.cluster.worker_client import WorkerClient
@@ -43,6 +45,7 @@ class Coordinator:
         self.num_victim_queries = 0
         self.rounds = 0
         self._task: asyncio.Task | None = None
+        self.watch: FrozenWatch | None = None  # the Ray actor's: restarts a frozen worker (liveness.py)
 
     async def round(self) -> list[Move]:
         """One look at the cluster and the moves it called for (done by the time it returns)."""
@@ -51,6 +54,10 @@ class Coordinator:
             loads = await asyncio.to_thread(self.state.live_loads)
         except Exception as e:  # Redis away: nothing to plan with until it is back
             log.debug("cluster state unavailable: %s", e)
+            return []
+        if self.watch is not None:
+            self.watch.observe(loads)
+        if len(loads) < 2:  # a move takes two workers
             return []
         await self._ask_for_victims(loads)
         now = time.monotonic()
@@ -113,11 +120,14 @@ class Coordinator:
             except asyncio.CancelledError:
                 pass
             self._task = None
+        if self.watch is not None:
+            await self.watch.stop()
 
     def stats(self) -> dict:
         return {"moves": self.num_moves, "failed_moves": self.num_failed_moves,
                 "preempted_for_moves": self.num_preempted, "rounds": self.rounds,
-                "victim_queries": self.num_victim_queries}
+                "victim_queries": self.num_victim_queries,
+                "frozen_restarts": self.watch.restarts if self.watch is not None else 0}
 
 
 class CoordinatorActor:
@@ -126,11 +136,13 @@ class CoordinatorActor:
     that a restarted actor goes on by itself: nobody calls `start` on a restart, and a killed
     coordinator's cluster never moved a request again (an attack, 2026-12-06)."""
 
-    def __init__(self, redis_url: str, namespace: str, ray_namespace: str | None = None, **kw) -> None:
+    def __init__(self, redis_url: str, namespace: str, ray_namespace: str | None = None,
+                 frozen_s: float | None = None, **kw) -> None:
         from folio.cluster.worker_client import RayWorkerClient
 
-        self.coordinator = Coordinator(ClusterState(redis_url, namespace),
-                                       RayWorkerClient(namespace, ray_namespace), **kw)
+        client = RayWorkerClient(namespace, ray_namespace)
+        self.coordinator = Coordinator(ClusterState(redis_url, namespace), client, **kw)
+        self.coordinator.watch = FrozenWatch(client) if frozen_s is None else FrozenWatch(client, frozen_s)
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="folio-coordinator", daemon=True).start()
         self._loop.call_soon_threadsafe(self.coordinator.start)

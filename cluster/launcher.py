@@ -65,7 +65,8 @@ class ClusterConfig:
     torch_threads: int | None = None  # per worker (None: cores / workers)
     heartbeat_s: float = 0.1
     coordinator_interval_s: float = 0.1
-    coordinator: bool = True  # started with two workers or more (a move takes two)
+    coordinator: bool = True  # moves requests across workers (two or more) and restarts a frozen one
+    worker_frozen_s: float | None = None  # a worker silent this long and deaf to a ping is restarted (liveness.py)
     ready_timeout_s: float = 180.0
     # per worker: the ranks (GPUs) of its tensor-parallel group; None: engine_args' tensor_parallel_size
     tensor_parallel_sizes: list[int] | None = None
@@ -142,12 +143,14 @@ class FolioCluster:
             self.start_worker(f"w{i}", Worker, {**engine_fields, "tensor_parallel_size": tp}, threads)
         self.wait_ready(cfg.num_workers)
         client = RayWorkerClient(cfg.namespace, cfg.namespace)
-        # one worker: no move can be planned (it takes two), so no coordinator (1.5 % of a core idle)
-        if cfg.coordinator and cfg.num_workers > 1:
+        # one worker: no move can be planned (it takes two), so the coordinator only watches for a frozen
+        # worker, every second (at 0.1 s it took 1.5 % of a core idle)
+        interval = cfg.coordinator_interval_s if cfg.num_workers > 1 else max(cfg.coordinator_interval_s, 1.0)
+        if cfg.coordinator:
             self.coordinator = ray.remote(CoordinatorActor).options(  # restarted when its process dies
                 num_cpus=0.05, name=f"{cfg.namespace}-coordinator", namespace=cfg.namespace, max_restarts=-1,
                 **self._lifetime()).remote(
-                self.redis_url, cfg.namespace, cfg.namespace, interval_s=cfg.coordinator_interval_s)
+                self.redis_url, cfg.namespace, cfg.namespace, frozen_s=cfg.worker_frozen_s, interval_s=interval)
             ray.get(self.coordinator.start.remote())
         self.router = Router(ClusterState(self.redis_url, cfg.namespace), client, cfg.router)
         return self

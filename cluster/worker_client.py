@@ -105,6 +105,14 @@ class RayWorkerClient:
             self.forget(wid)
             raise WorkerDiedError(wid, type(e).__name__) from None
 
+    async def restart(self, wid: str) -> None:
+        """Kill worker `wid`'s process, frozen or not; Ray restarts it (max_restarts)."""
+        import ray
+
+        h = self.handle(wid)
+        self.forget(wid)
+        ray.kill(h, no_restart=False)
+
     def forget(self, wid: str) -> None:
         """Drop the cached actor handle of a worker seen dead (the next call looks it up again)."""
         self._handles.pop(wid, None)

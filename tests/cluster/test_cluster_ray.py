@@ -3,6 +3,7 @@ redis-server, the router and the coordinator, on the tiny Llama model. One clust
 shared by the module; the tests that break it (Redis restart, a killed worker) run last."""
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -21,12 +22,13 @@ from conftest import PROMPTS, ray_step_delay, until  # noqa: E402
 
 ENGINE = dict(block_size=8, num_kv_blocks=24, num_cpu_blocks=96, max_model_len=256, preemption_mode="swap")
 TIMEOUT_S = 120
+FROZEN_S = 3.0  # the cluster's worker_frozen_s: a worker silent this long and deaf to a ping is restarted
 
 
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
     c = FolioCluster(ClusterConfig(model=model_dirs["llama"], num_workers=2, engine_args=ENGINE,
-                                   router="least-loaded", namespace="ftest")).start()
+                                   router="least-loaded", namespace="ftest", worker_frozen_s=FROZEN_S)).start()
     yield c
     c.shutdown(grace_s=2)
 
@@ -368,6 +370,9 @@ RESTART_BOUND_S = 30.0  # kill -> back in the registry and serving (benchmarks/w
 # kill -> the in-flight request failed: ~0.01-0.2 s measured. Ray's default death-info wait for a restartable
 # actor (RAY_timeout_ms_task_wait_for_death_info=1000, on a 1 s tick; cluster/launcher.py sets 0) made it 1.0-2.0 s
 IN_FLIGHT_FAIL_BOUND_S = 1.0
+# stopped -> its in-flight request failed: the heartbeat's TTL (1.5 s) + FROZEN_S + the ping's 5 s + the kill
+# of a stopped process (~5 s: Ray asks it to exit first) + the coordinator's round
+FROZEN_FAIL_BOUND_S = 40.0
 
 
 def test_ray_processes_get_the_fast_death_setting(cluster):
@@ -386,13 +391,48 @@ def test_killed_worker_fails_or_reroutes_its_requests_and_is_restarted(cluster, 
     import os
     import signal
 
+    fail_s = fault_under_load(cluster, model_dirs, lambda pid: os.kill(pid, signal.SIGKILL))
+    assert fail_s and max(fail_s) < IN_FLIGHT_FAIL_BOUND_S, fail_s  # fast: the death is seen, not timed out
+
+
+def test_a_frozen_worker_is_restarted_and_its_requests_end(cluster, model_dirs):
+    """SIGSTOP w1's process under load (a hang that holds the GIL looks the same from outside): its
+    stream stalled for as long as the process stayed stopped, with no error (30 s stopped: a 30.0 s
+    gap, 2026-12-07), and nothing restarted it: Ray restarts a process that exits, and the step
+    watchdog runs inside the stopped one. The coordinator's watch (cluster/liveness.py) kills it once
+    its heartbeat has lapsed past worker_frozen_s (3 s in this module) and a ping went unanswered
+    (5 s): then as a killed worker, its stream fails with a clear error and Ray restarts it."""
+    import os
+    import signal
+
+    restarts = ray.get(cluster.coordinator.stats.remote())["frozen_restarts"]
+    stopped = []
+
+    def freeze(pid):
+        stopped.append(pid)
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        fail_s = fault_under_load(cluster, model_dirs, freeze)
+    finally:
+        for pid in stopped:  # a failed test leaves no stopped process behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    assert fail_s and FROZEN_S < min(fail_s) and max(fail_s) < FROZEN_FAIL_BOUND_S, fail_s
+    assert ray.get(cluster.coordinator.stats.remote())["frozen_restarts"] == restarts + 1
+
+
+def fault_under_load(cluster, model_dirs, fault) -> list[float]:
+    """`fault(pid)` on w1's process while one request streams from it and one from w0: the one on
+    w1 fails with a clear error (no hang), w0's finishes, fresh requests run on w0, and w1 comes
+    back (a new process, registered again, serving a pinned request as the offline engine does
+    and picked by the router again). Returns how long after the fault the request on w1 failed."""
     import redis
 
     params = SamplingParams(max_tokens=170, temperature=0.0, ignore_eos=True)  # 24 blocks: one per worker
     rr = Router(ClusterState(cluster.redis_url, "ftest"), cluster.router.client, "round-robin")
     w1 = cluster.workers["w1"]
     pid = ray.get(w1.pid.remote())
-    ray_step_delay(w1, 0.01)  # its 170 tokens outlast the kill on any CPU (the restarted w1: its own speed)
+    ray_step_delay(w1, 0.01)  # its 170 tokens outlast the fault on any CPU (the restarted w1: its own speed)
     probe = (list(range(70, 90)), SamplingParams(max_tokens=8, temperature=0.0))
 
     async def main():
@@ -414,29 +454,29 @@ def test_killed_worker_fails_or_reroutes_its_requests_and_is_restarted(cluster, 
             return n
         tasks = [asyncio.create_task(asyncio.wait_for(long(i), TIMEOUT_S)) for i in range(2)]
         await asyncio.wait_for(streaming_on_w1.wait(), TIMEOUT_S)
-        os.kill(pid, signal.SIGKILL)
-        t_kill = time.monotonic()
-        # right after the kill Redis still lists w1 for up to its TTL: requests sent there
+        fault(pid)
+        t_fault = time.monotonic()
+        # right after the fault Redis still lists w1 for up to its TTL: requests sent there
         # before they stream anything are re-run on w0
         fresh = [await run(rr, GenerateRequest(request_id=f"f{i}", prompt_token_ids=list(range(50 + i, 60 + i)),
                                                params=SamplingParams(max_tokens=3)))
                  for i in range(4)]
         results = await asyncio.gather(*tasks, return_exceptions=True)
-        fail_s = [t - t_kill for t in failed_at.values()]
-        # back: registered again (a heartbeat newer than the kill) and serving a pinned request
+        fail_s = [t - t_fault for t in failed_at.values()]
+        # back: registered again (a heartbeat newer than the fault) and serving a pinned request
         while True:
             try:
                 load = rr.state.live_loads().get("w1")
             except redis.RedisError:  # a read timed out (0.5 s) on a busy machine: poll again
                 load = None
-            if load is not None and load.timestamp > time.time() - (time.monotonic() - t_kill):
+            if load is not None and load.timestamp > time.time() - (time.monotonic() - t_fault):
                 break
-            assert time.monotonic() - t_kill < RESTART_BOUND_S, "w1 did not register again"
+            assert time.monotonic() - t_fault < max(fail_s, default=0) + RESTART_BOUND_S, "w1 did not register again"
             await asyncio.sleep(0.05)
-        registered_s = time.monotonic() - t_kill
+        registered_s = time.monotonic() - t_fault
         pinned = await run(rr, GenerateRequest(request_id="after", prompt_token_ids=probe[0], params=probe[1]),
                            worker_id="w1")
-        serving_s = time.monotonic() - t_kill
+        serving_s = time.monotonic() - t_fault
         routed = []  # the router picks w1 again once its load snapshot holds w1's new heartbeat
         deadline = time.monotonic() + 15
         while "w1" not in routed and time.monotonic() < deadline:
@@ -445,18 +485,18 @@ def test_killed_worker_fails_or_reroutes_its_requests_and_is_restarted(cluster, 
             await asyncio.sleep(0.1)  # lets the background refresh of the loads run
         return results, fresh, fail_s, registered_s, pinned, serving_s, routed
     results, fresh, fail_s, registered_s, pinned, serving_s, routed = asyncio.run(main())
-    print(f"kill -> in-flight failed {fail_s} s, registered {registered_s:.2f} s, serving {serving_s:.2f} s")
+    print(f"fault -> in-flight failed {fail_s} s, registered {registered_s:.2f} s, serving {serving_s:.2f} s")
     failed = [r for r in results if isinstance(r, BaseException)]
     assert all(isinstance(e, UnavailableError) and "w1" in str(e) for e in failed), failed
     assert len(failed) == 1  # round-robin put one of the two on w1: it fails clearly, none hangs
-    assert fail_s and max(fail_s) < IN_FLIGHT_FAIL_BOUND_S, fail_s  # fast: the death is seen, not timed out
     assert [r for r in results if not isinstance(r, BaseException)] == [170]  # w0's finishes
     assert all(ws == ["w0"] * len(ws) and len(t) == 3 for t, ws in fresh)
     assert ray.get(w1.pid.remote()) != pid  # a new process
     assert pinned[1] == ["w1"] * len(pinned[1]) and pinned[0] == offline(model_dirs["llama"], [probe[0]], probe[1])[0]
-    assert serving_s < RESTART_BOUND_S
+    assert serving_s < max(fail_s) + RESTART_BOUND_S
     assert "w1" in routed  # the router uses it again (no longer held dead)
     assert_idle_and_consistent(cluster)
+    return fail_s
 
 
 def test_folio_drain_stops_admission_on_a_live_cluster(cluster):
