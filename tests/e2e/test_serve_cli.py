@@ -138,6 +138,37 @@ def test_a_stop_while_starting_leaves_no_process_behind(model_dirs, when):
         assert_stopped_leaving_nothing(proc, seen + out)
 
 
+def test_a_frozen_frontend_replica_is_replaced(model_dirs):
+    """SIGSTOP the frontend replica (a hang that holds the GIL looks the same): it keeps its
+    listening sockets, so every client waited. Serve's default health checks (every 10 s, failed
+    after 30 s, 3 in a row, then 20 s of graceful shutdown) left it so for over 60 s; with the
+    deployment's own (serve_deployment.HEALTH) a new replica answered 26 s after the stop."""
+    with serve_in_its_own_group(model_dirs["llama"], "frozenfe") as (proc, port):
+        lines = []
+        deadline = time.monotonic() + 180
+        while not any("ready in" in line for line in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            lines.append(proc.stdout.readline())
+        replica = next(c for c in psutil.Process(proc.pid).children(recursive=True)
+                       if "ServeReplica" in " ".join(c.cmdline()))
+        replica.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            while replica.is_running() and replica.status() != psutil.STATUS_ZOMBIE or not http_up(port):
+                assert time.monotonic() - t0 < FROZEN_REPLICA_BOUND_S, "the stopped replica is still the one serving"
+                time.sleep(0.5)
+        finally:
+            with contextlib.suppress(psutil.Error):
+                replica.send_signal(signal.SIGCONT)
+        print(f"stopped replica -> a new one answers in {time.monotonic() - t0:.1f} s")
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert_stopped_leaving_nothing(proc, "".join(lines) + out)
+
+
+FROZEN_REPLICA_BOUND_S = 60.0  # 25.7 s measured (3 failed checks of 5 s, 2 s apart, then 5 s of grace)
+
+
 def test_a_sigterm_to_the_whole_process_group_stops_it_promptly(model_dirs):
     """As systemd stops a service (SIGTERM to every process of it): Ray's own processes, Serve's
     controller among them, get it too. `folio serve` waited 30 s for that dead controller's
