@@ -230,8 +230,8 @@ class Router:
                     self.mark_dead(e.worker_id)
                     tried.add(e.worker_id)
                     if streamed:
-                        raise WorkerFailedError(f"request {req.request_id} failed: {e} after streaming tokens") \
-                            from None
+                        raise WorkerFailedError(f"request {req.request_id} failed: {e} after it had made tokens "
+                                                f"(not run again: they would repeat)") from None
                     wid = await self.pick(req, exclude=tried)  # nothing streamed yet: run it elsewhere
                     stream = self.client.generate(wid, req)
                 except UnavailableError as e:

@@ -133,9 +133,11 @@ class ClientGone(oai.HTTPError):
 # A replica whose process stops (SIGSTOP, a hang that holds the GIL) keeps its listening sockets:
 # every HTTP and gRPC client of it waited. Serve's defaults (a check every 10 s, failed after 30 s,
 # 3 failures in a row, then 20 s of graceful shutdown) left it so for over 60 s (2026-12-07): now
-# a check every 2 s, failed after 5, and 5 s of grace (the replica has no requests of Serve's own
-# to wait for: its clients are on its own servers, and `folio serve` drains the workers itself).
-HEALTH = dict(health_check_period_s=2, health_check_timeout_s=5, graceful_shutdown_timeout_s=5)
+# a check every 2 s, failed after 5, and 1 s of grace. The grace is what a stopped replica keeps its
+# port after its successor serves (SO_REUSEPORT: 5 s of grace lost ~1 new connection in 2 for 6 s),
+# and it buys nothing here: the replica has no requests of Serve's own to wait for (its clients are
+# on its own servers, and `folio serve` drains the workers itself).
+HEALTH = dict(health_check_period_s=2, health_check_timeout_s=5, graceful_shutdown_timeout_s=1)
 
 
 @serve.deployment(name="FolioFrontend", ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=100_000,

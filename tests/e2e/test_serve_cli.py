@@ -105,6 +105,16 @@ def serve_in_its_own_group(model_dir: str, namespace: str):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def read_until_ready(proc) -> list[str]:
+    """`folio serve`'s output lines up to its "ready in" line."""
+    lines = []
+    deadline = time.monotonic() + 180
+    while not any("ready in" in line for line in lines):
+        assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+        lines.append(proc.stdout.readline())
+    return lines
+
+
 def assert_stopped_leaving_nothing(proc, out: str) -> None:
     assert proc.returncode == 0 and "stopped" in out, out
     deadline = time.monotonic() + 20
@@ -142,13 +152,9 @@ def test_a_frozen_frontend_replica_is_replaced(model_dirs):
     """SIGSTOP the frontend replica (a hang that holds the GIL looks the same): it keeps its
     listening sockets, so every client waited. Serve's default health checks (every 10 s, failed
     after 30 s, 3 in a row, then 20 s of graceful shutdown) left it so for over 60 s; with the
-    deployment's own (serve_deployment.HEALTH) a new replica answered 26 s after the stop."""
+    deployment's own (serve_deployment.HEALTH) a new replica answered 22 s after the stop."""
     with serve_in_its_own_group(model_dirs["llama"], "frozenfe") as (proc, port):
-        lines = []
-        deadline = time.monotonic() + 180
-        while not any("ready in" in line for line in lines):
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
-            lines.append(proc.stdout.readline())
+        lines = read_until_ready(proc)
         replica = next(c for c in psutil.Process(proc.pid).children(recursive=True)
                        if "ServeReplica" in " ".join(c.cmdline()))
         replica.send_signal(signal.SIGSTOP)
@@ -166,7 +172,7 @@ def test_a_frozen_frontend_replica_is_replaced(model_dirs):
         assert_stopped_leaving_nothing(proc, "".join(lines) + out)
 
 
-FROZEN_REPLICA_BOUND_S = 60.0  # 25.7 s measured (3 failed checks of 5 s, 2 s apart, then 5 s of grace)
+FROZEN_REPLICA_BOUND_S = 60.0  # 22.0 s measured (3 failed checks of 5 s, 2 s apart, then 1 s of grace)
 
 
 def test_a_sigterm_to_the_whole_process_group_stops_it_promptly(model_dirs):
@@ -174,11 +180,7 @@ def test_a_sigterm_to_the_whole_process_group_stops_it_promptly(model_dirs):
     controller among them, get it too. `folio serve` waited 30 s for that dead controller's
     graceful shutdown (38 s in all); a Ray started here now goes whole with the cluster."""
     with serve_in_its_own_group(model_dirs["llama"], "stopgroup") as (proc, _):
-        lines = []
-        deadline = time.monotonic() + 180
-        while not any("ready in" in line for line in lines):
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
-            lines.append(proc.stdout.readline())
+        lines = read_until_ready(proc)
         procs = "\n".join(" ".join(c.cmdline()) for c in psutil.Process(proc.pid).children(recursive=True))
         # one worker: the coordinator only watches for a frozen worker, every second (0.9 % of a core idle,
         # 2026-12-07; at its 0.1 s cadence for moves, 1.5 %)
