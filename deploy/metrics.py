@@ -9,7 +9,9 @@ folio_generation_tokens_total, folio_prefix_cache_queries_total,
 folio_prefix_cache_hits_total (the workers' cumulative counts, from their heartbeats).
 Cluster state: folio_cluster_state_up (1/0: Redis answered the scrape) and
 folio_worker_heartbeat_age_seconds{worker}; while Redis is away the per-worker figures
-keep their last values (their age grows) instead of vanishing.
+keep their last values (their age grows) instead of vanishing, and so do a worker's whose
+heartbeat lapsed (dead, stopped), for LAPSED_KEPT_S: it vanished at once, the requests it
+held out of sight and no series left to alert on.
 Frontend: folio_requests_total{finish_reason} and the histograms
 folio_time_to_first_token_seconds, folio_inter_token_latency_seconds,
 folio_e2e_request_latency_seconds, folio_queue_time_seconds.
@@ -31,24 +33,27 @@ from prometheus_client.exposition import choose_encoder
 
 disable_created_metrics()  # process-wide: no metric of this process has a _created series
 
+LAPSED_KEPT_S = 600.0  # a worker's last figures stay this long after its last heartbeat
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
 
 class WorkerCollector:
-    """Reads the live workers' last heartbeats (cluster/state.py) when scraped."""
+    """Reads the workers' last heartbeats (cluster/state.py) when scraped."""
 
     def __init__(self, state, model_name: str = "") -> None:
         self.state, self.model_name = state, model_name
-        self._last: dict = {}  # the loads of the last scrape that reached the cluster state
+        self._last: dict = {}  # each worker's last load read from the cluster state
 
     def collect(self):
         # Redis away: the last values stay (not a silent drop to nothing), marked by
         # folio_cluster_state_up 0 and a growing folio_worker_heartbeat_age_seconds
         try:
-            loads = self._last = self.state.live_loads()
+            self._last.update(self.state.live_loads())
             up = 1.0
         except Exception:
-            loads, up = self._last, 0.0
+            up = 0.0
+        cutoff = time.time() - LAPSED_KEPT_S
+        loads = self._last = {w: l for w, l in self._last.items() if l.timestamp > cutoff}
         g = GaugeMetricFamily("folio_cluster_state_up", "1 if the cluster state (Redis) answered this scrape, else 0")
         g.add_metric([], up)
         yield g

@@ -80,3 +80,31 @@ def test_state_is_rebuilt_after_a_redis_restart(ns):
         pub.publish(load("w0"), set(hashes))  # the next heartbeat: the whole prefix set again
         assert sorted(state.live_loads()) == ["w0"]
         assert state.prefix_matches(["w0"], hashes) == {"w0": 4}
+
+
+def test_metrics_keep_a_lapsed_workers_last_figures_for_a_while(redis_server, ns, monkeypatch):
+    """A worker whose heartbeat lapsed (killed, stopped) vanished from /metrics at once: the
+    requests it held out of sight, and no series left to alert on (a chaos run, 2026-12-07). Its
+    last figures now stay, their heartbeat age growing, for LAPSED_KEPT_S."""
+    from folio.deploy import metrics
+
+    def scrape(collector):
+        fams = {f.name: f for f in collector.collect()}
+        return ({s.labels["worker"]: s.value for s in fams["folio_requests_running"].samples},
+                {s.labels["worker"]: s.value for s in fams["folio_worker_heartbeat_age_seconds"].samples})
+
+    pub = WorkerPublisher(redis_server.url, ns, ttl_s=0.3)
+    collector = metrics.WorkerCollector(ClusterState(redis_server.url, ns), "m")
+    pub.publish(load("w0"), set())
+    pub.publish(load("w1"), set())
+    assert scrape(collector)[0] == {"w0": 1.0, "w1": 1.0}
+    deadline = time.monotonic() + 5
+    while "w1" in ClusterState(redis_server.url, ns).live_loads():  # w1 lapses, w0 goes on
+        pub.publish(load("w0"), set())
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    pub.publish(load("w0"), set())
+    running, age = scrape(collector)
+    assert running == {"w0": 1.0, "w1": 1.0} and age["w1"] >= 0.3 > age["w0"], age
+    monkeypatch.setattr(metrics, "LAPSED_KEPT_S", 0.3)
+    assert scrape(collector)[0] == {"w0": 1.0}  # past the bound: gone
