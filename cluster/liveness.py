@@ -54,7 +54,9 @@ class FrozenWatch:
             log.debug("worker %s did not answer a ping: %s", wid, e)
             return
         else:  # alive to Ray: what failed is its way to Redis, not the worker; asked again in frozen_s
-            self.seen[wid] = now
+            self.seen[wid] = max(self.seen.get(wid, now), now)
+            return
+        if self.seen.get(wid, now) > now:  # it published again while the ping waited: it is back
             return
         self.seen.pop(wid, None)
         log.warning("worker %s has published nothing for over %.0f s and did not answer a ping in %.0f s: "
@@ -73,4 +75,4 @@ class FrozenWatch:
     async def stop(self) -> None:
         for task in list(self._checks.values()):
             task.cancel()
-        await asyncio.gather(*self._checks.values(), return_exceptions=True)
+        await self.settle()

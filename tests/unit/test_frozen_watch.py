@@ -75,3 +75,20 @@ def test_only_a_worker_silent_past_the_bound_and_deaf_to_a_ping_is_restarted_onc
                 asked = t
             # "fails": dead or restarting, Ray's business; asked again next second
     assert sorted(client.restarted) == sorted(expected), history
+
+
+def test_a_worker_that_publishes_again_while_its_ping_waits_is_not_restarted():
+    """A pause a little longer than the bound: the ping goes out, the worker comes back (its
+    heartbeat is live again) before the ping's timeout: it is not killed."""
+    client = Client()
+    client.mode = {"w0": "hangs"}
+
+    async def main():
+        watch = FrozenWatch(client, frozen_s=FROZEN_S, ping_timeout_s=0.05)
+        watch.observe({"w0": None}, now=0.0)
+        watch.observe({}, now=FROZEN_S + 1)  # lapsed: the ping goes out
+        watch.observe({"w0": None}, now=FROZEN_S + 1.5)  # back while it waits
+        await watch.settle()
+        return watch.restarts
+
+    assert asyncio.run(main()) == 0 and client.restarted == []
