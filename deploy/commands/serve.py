@@ -165,9 +165,10 @@ def main(args) -> int:
     stage = "the cluster did not start"
     _adopt_orphans()
     stop = threading.Event()
+    stop_now = _stopper(stop)
     try:
-        _on_signals(_stopper(stop))
-        cluster.start(on_ray_up=lambda: _on_signals(_stopper(stop)))  # again: over the core worker's
+        _on_signals(stop_now)
+        cluster.start(on_ray_up=lambda: _on_signals(stop_now))  # again: over the core worker's
         stage = "the frontends did not start"
         frontends = start_frontends(args, cluster)
         _on_signals(lambda *_: stop.set())
