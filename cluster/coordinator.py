@@ -8,6 +8,13 @@ any victims there); the destination's next swap-in resumes decoding and the rout
 re-attaches the client's stream. Moves run concurrently; a failed move is counted
 and the request stays where it was.
 
+No call to a worker holds the rounds: a worker stopped mid-move (SIGSTOP, a hang that holds
+its GIL) never answers, and a round that waited on its import waited for ever, every later
+move and the frozen-worker watch with it (5 streams hung 120 s, the stopped worker never
+restarted, 2026-12-07). A victim query gets `query_timeout_s`; a round waits `move_wait_s`
+for its moves and leaves the rest running, their two workers out of the planning until they
+end; the watch reads the live workers on a loop of its own.
+
 `Coordinator` is plain asyncio (the simulated cluster runs it in-process);
 `CoordinatorActor` is the same thing as a Ray actor, which also restarts a worker whose process
 stopped answering (liveness.py); with one worker that is all it does.
@@ -27,14 +34,20 @@ from folio.cluster.worker_client import WorkerClient
 from folio.worker.errors import FolioError
 
 log = logging.getLogger("folio.coordinator")
+QUERY_TIMEOUT_S = 5.0  # a victim query: a worker that takes longer is planned without, this round
+MOVE_WAIT_S = 10.0  # a round waits this long for its moves; the rest go on in the background
 
 
 class Coordinator:
     def __init__(self, state: ClusterState, client: WorkerClient, interval_s: float = 0.1,
-                 cooldown_s: float = 1.0, headroom: float = 0.05, max_moves: int = 8) -> None:
+                 cooldown_s: float = 1.0, headroom: float = 0.05, max_moves: int = 8,
+                 query_timeout_s: float = QUERY_TIMEOUT_S, move_wait_s: float = MOVE_WAIT_S,
+                 watch_interval_s: float = 1.0) -> None:
         self.state = state
         self.client = client
         self.interval_s = interval_s
+        self.query_timeout_s, self.move_wait_s, self.watch_interval_s = query_timeout_s, move_wait_s, watch_interval_s
+        self.moving: dict[asyncio.Task, Move] = {}  # moves under way, past the round that started them
         self.cooldown_s = cooldown_s
         self.headroom = headroom
         self.max_moves = max_moves
@@ -44,7 +57,7 @@ class Coordinator:
         self.num_preempted = 0
         self.num_victim_queries = 0
         self.rounds = 0
-        self._task: asyncio.Task | None = None
+        self._tasks: list[asyncio.Task] = []
         self.watch: FrozenWatch | None = None  # the Ray actor's: restarts a frozen worker (liveness.py)
 
     async def round(self) -> list[Move]:
@@ -55,17 +68,25 @@ class Coordinator:
         except Exception as e:  # Redis away: nothing to plan with until it is back
             log.debug("cluster state unavailable: %s", e)
             return []
-        if self.watch is not None:
-            self.watch.observe(loads)
+        busy = {w for m in self.moving.values() for w in (m.source, m.destination)}
+        loads = {w: load for w, load in loads.items() if w not in busy}
         if len(loads) < 2:  # a move takes two workers
             return []
         await self._ask_for_victims(loads)
         now = time.monotonic()
         moves = plan_moves(loads, now, self.last_moved, self.cooldown_s, self.headroom, self.max_moves)
-        results = await asyncio.gather(*(self._move(m) for m in moves))
+        tasks = [self._start_move(m) for m in moves]
+        if tasks:
+            await asyncio.wait(tasks, timeout=self.move_wait_s)
         cutoff = now - 10 * self.cooldown_s
         self.last_moved = {r: t for r, t in self.last_moved.items() if t > cutoff}
-        return [m for m, ok in zip(moves, results) if ok]
+        return [m for m, t in zip(moves, tasks) if t.done() and t.result()]
+
+    def _start_move(self, m: Move) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(self._move(m))
+        self.moving[task] = m
+        task.add_done_callback(lambda t: self.moving.pop(t, None))
+        return task
 
     async def _ask_for_victims(self, loads: dict) -> None:
         """Heartbeats list only the requests waiting for room; a starving request that fits
@@ -74,10 +95,10 @@ class Coordinator:
         asks = victim_queries(loads, self.headroom)
         if not asks:
             return
-        got = await asyncio.gather(*(self.client.running_requests(d, p) for d, p in asks.items()),
-                                   return_exceptions=True)
+        got = await asyncio.gather(*(asyncio.wait_for(self.client.running_requests(d, p), self.query_timeout_s)
+                                     for d, p in asks.items()), return_exceptions=True)
         for d, running in zip(asks, got):
-            if isinstance(running, BaseException):  # gone or busy: plan without it this round
+            if isinstance(running, BaseException):  # gone, stopped or busy: plan without it this round
                 log.debug("running requests of %s unavailable: %s", d, running)
                 continue
             loads[d].requests = [r for r in loads[d].requests if r.state != "running"] + list(running)
@@ -108,18 +129,29 @@ class Coordinator:
                 log.exception("coordinator round failed")
             await asyncio.sleep(max(self.interval_s - (time.monotonic() - t0), 0.0))
 
+    async def run_watch(self) -> None:
+        """The frozen-worker watch's own loop: it reads the live workers whatever the rounds wait on."""
+        while True:
+            try:
+                live = await asyncio.to_thread(self.state.live_loads)
+            except Exception as e:  # Redis away: nobody is known silent until it is back
+                log.debug("cluster state unavailable: %s", e)
+            else:
+                self.watch.observe(live)
+            await asyncio.sleep(self.watch_interval_s)
+
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self.run())
+        if not self._tasks:
+            loop = asyncio.get_running_loop()
+            self._tasks = [loop.create_task(self.run())]
+            if self.watch is not None:
+                self._tasks.append(loop.create_task(self.run_watch()))
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        tasks, self._tasks = self._tasks + list(self.moving), []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self.watch is not None:
             await self.watch.stop()
 

@@ -421,6 +421,65 @@ def test_a_frozen_worker_is_restarted_and_its_requests_end(cluster, model_dirs):
     assert ray.get(cluster.coordinator.stats.remote())["frozen_restarts"] == restarts + 1
 
 
+def test_a_worker_frozen_mid_move_is_restarted_and_the_coordinator_goes_on(cluster, tokenizer, model_dirs):
+    """A burst pinned to w0 starves it, the coordinator moves requests to w1, and w1's process is
+    stopped (SIGSTOP) while it takes them: for up to its heartbeat's TTL it still looks free, so moves
+    to it go on being planned, and their import waits on a process that never answers. Every
+    request ends (w1's with a clear error, the rest with the offline engine's tokens), w1 is
+    restarted, and the coordinator's rounds go on: no call of a round waits on one worker for ever."""
+    import os
+    import signal
+
+    ids = [tokenizer(p).input_ids for p in PROMPTS] * 2
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    w1 = cluster.workers["w1"]
+    pid = ray.get(w1.pid.remote())
+    restarts = ray.get(cluster.coordinator.stats.remote())["frozen_restarts"]
+    stopped = []
+
+    async def main():
+        on_w1 = asyncio.Event()
+
+        async def one(i, x):
+            tokens = []
+            async for chunk in cluster.router.generate(GenerateRequest(request_id=f"z{i}", prompt_token_ids=x,
+                                                                       params=params), worker_id="w0"):
+                tokens += chunk.deltas[0].token_ids
+                if chunk.worker_id == "w1":
+                    on_w1.set()
+            return tokens
+        tasks = [asyncio.create_task(asyncio.wait_for(one(i, x), TIMEOUT_S)) for i, x in enumerate(ids)]
+        await asyncio.wait_for(on_w1.wait(), TIMEOUT_S)
+        stopped.append(pid)
+        os.kill(pid, signal.SIGSTOP)  # while moves to w1 are under way
+        return await asyncio.gather(*tasks, return_exceptions=True)
+    ray_step_delay(cluster.workers["w0"], 0.01)  # the burst outlasts the coordinator's rounds on any CPU
+    try:
+        results = asyncio.run(main())
+    finally:
+        ray_step_delay(cluster.workers["w0"], 0)
+        for p in stopped:  # a failed test leaves no stopped process behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGCONT)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    assert failed and all(isinstance(e, UnavailableError) and "w1" in str(e) for e in failed), failed
+    expected = offline(model_dirs["llama"], ids, params)
+    done = [(r, e) for r, e in zip(results, expected) if not isinstance(r, BaseException)]
+    assert done and all(r == e for r, e in done)
+    assert ray.get(cluster.coordinator.stats.remote())["frozen_restarts"] == restarts + 1
+
+    def new_pid():
+        try:
+            return ray.get(w1.pid.remote(), timeout=5)
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+            return None  # restarting
+    assert asyncio.run(until(new_pid, "w1 back", RESTART_BOUND_S)) != pid
+    rounds = ray.get(cluster.coordinator.stats.remote())["rounds"]
+    asyncio.run(until(lambda: ray.get(cluster.coordinator.stats.remote())["rounds"] > rounds + 2,
+                      "the coordinator's next rounds", 10))
+    assert_idle_and_consistent(cluster)
+
+
 def fault_under_load(cluster, model_dirs, fault) -> list[float]:
     """`fault(pid)` on w1's process while one request streams from it and one from w0: the one on
     w1 fails with a clear error (no hang), w0's finishes, fresh requests run on w0, and w1 comes
