@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 
-from folio.cluster.liveness import FrozenWatch
+from folio.cluster.liveness import COORDINATOR_TTL_S, FrozenWatch
 from folio.cluster.placement import Move, plan_moves, victim_queries
 from folio.cluster.state import ClusterState
 from folio.cluster.worker_client import WorkerClient
@@ -130,15 +130,25 @@ class Coordinator:
             await asyncio.sleep(max(self.interval_s - (time.monotonic() - t0), 0.0))
 
     async def run_watch(self) -> None:
-        """The frozen-worker watch's own loop: it reads the live workers whatever the rounds wait on."""
+        """The frozen-worker watch's own loop: it reads the live workers whatever the rounds wait
+        on, and publishes the coordinator's own heartbeat (the frontends watch it: liveness.py)."""
         while True:
             try:
-                live = await asyncio.to_thread(self.state.live_loads)
+                live = await asyncio.to_thread(self._beat)
             except Exception as e:  # Redis away: nobody is known silent until it is back
                 log.debug("cluster state unavailable: %s", e)
             else:
                 self.watch.observe(live)
             await asyncio.sleep(self.watch_interval_s)
+
+    def _beat(self) -> dict:
+        live = self.state.live_loads()
+        try:  # a heartbeat that cannot be written does not stop the watch
+            self.state.publish_coordinator({"rounds": self.rounds, "time": time.time()},
+                                           COORDINATOR_TTL_S + self.watch_interval_s)
+        except Exception as e:
+            log.debug("the coordinator's heartbeat was not written: %s", e)
+        return live
 
     def start(self) -> None:
         if not self._tasks:
@@ -192,3 +202,8 @@ class CoordinatorActor:
 
     async def stats(self) -> dict:
         return await self._on_loop(self.coordinator.stats)
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()

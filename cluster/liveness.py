@@ -1,5 +1,5 @@
 """The frozen-worker watch, run by the coordinator: a worker whose process stopped answering is
-restarted.
+restarted; and the same watch of the coordinator, run by the frontends (CoordinatorWatch).
 
 A worker process that stops (SIGSTOP, a hang that holds the GIL, a host swapping for good) keeps
 its TCP connections and its Ray actor: the streams it was serving stalled for as long as it
@@ -18,16 +18,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import time
 
 FROZEN_S = float(os.environ.get("FOLIO_WORKER_FROZEN_S", "20"))
 PING_TIMEOUT_S = 5.0
+COORDINATOR_TTL_S = 3.0  # the coordinator's heartbeat outlives its last beat by this (it beats every second)
 log = logging.getLogger("folio.liveness")
 
 
 class FrozenWatch:
-    def __init__(self, client, frozen_s: float = FROZEN_S, ping_timeout_s: float = PING_TIMEOUT_S) -> None:
+    def __init__(self, client, frozen_s: float = FROZEN_S, ping_timeout_s: float = PING_TIMEOUT_S,
+                 what: str = "worker ") -> None:
         self.client = client  # call(wid, "ping") and restart(wid): RayWorkerClient
+        self.what = what  # in its log lines: what `wid` names
         self.frozen_s, self.ping_timeout_s = frozen_s, ping_timeout_s
         self.seen: dict[str, float] = {}  # wid -> when its heartbeat was last live (monotonic)
         self._checks: dict[str, asyncio.Task] = {}  # wid -> its ping under way
@@ -51,7 +55,7 @@ class FrozenWatch:
         except asyncio.TimeoutError:
             pass  # frozen
         except Exception as e:  # dead or restarting: Ray restarts it, its heartbeat comes back
-            log.debug("worker %s did not answer a ping: %s", wid, e)
+            log.debug("%s%s did not answer a ping: %s", self.what, wid, e)
             return
         else:  # alive to Ray: what failed is its way to Redis, not the worker; asked again in frozen_s
             self.seen[wid] = max(self.seen.get(wid, now), now)
@@ -59,12 +63,12 @@ class FrozenWatch:
         if self.seen.get(wid, now) > now:  # it published again while the ping waited: it is back
             return
         self.seen.pop(wid, None)
-        log.warning("worker %s has published nothing for over %.0f s and did not answer a ping in %.0f s: "
-                    "restarting it", wid, self.frozen_s, self.ping_timeout_s)
+        log.warning("%s%s has published nothing for over %.0f s and did not answer a ping in %.0f s: "
+                    "restarting it", self.what, wid, self.frozen_s, self.ping_timeout_s)
         try:
             await self.client.restart(wid)
         except Exception:
-            log.exception("restarting worker %s failed", wid)
+            log.exception("restarting %s%s failed", self.what, wid)
             return
         self.restarts += 1
 
@@ -76,3 +80,57 @@ class FrozenWatch:
         for task in list(self._checks.values()):
             task.cancel()
         await self.settle()
+
+
+class CoordinatorWatch:
+    """The same rule for the coordinator, run by every frontend replica: a coordinator whose
+    heartbeat (its watch loop's, every second) has lapsed for `frozen_s` and whose actor does not
+    answer a ping within `ping_timeout_s` is killed, which Ray restarts (max_restarts). Stopped, it
+    planned no move and restarted no frozen worker, and /health still said ok (2026-12-07): nothing
+    restarted it, as nothing restarted a stopped worker. One frontend kills it (a claim in Redis);
+    a coordinator never seen (none runs: `coordinator=False`) is never pinged."""
+
+    def __init__(self, state, namespace: str, ray_namespace: str | None = None, frozen_s: float = FROZEN_S,
+                 ping_timeout_s: float = PING_TIMEOUT_S, check_s: float = 1.0) -> None:
+        self.state, self.check_s = state, check_s  # ClusterState: coordinator(), claim_coordinator_restart()
+        self.name, self.ray_namespace = f"{namespace}-coordinator", ray_namespace or namespace
+        self.watch = FrozenWatch(self, frozen_s, ping_timeout_s, what="the coordinator ")
+        self.who = f"{socket.gethostname()}:{os.getpid()}"
+        self.last_seen: float | None = None  # monotonic, its last heartbeat seen
+        self.live = False
+        self.restarts = 0
+
+    def silent_s(self) -> float:
+        """How long a coordinator seen before has been silent (0 while its heartbeat is alive)."""
+        return 0.0 if self.live or self.last_seen is None else time.monotonic() - self.last_seen
+
+    async def run(self) -> None:
+        while True:
+            try:
+                beat = await asyncio.to_thread(self.state.coordinator)
+            except Exception as e:  # Redis away: nobody is known silent until it is back
+                log.debug("cluster state unavailable: %s", e)
+            else:
+                now = time.monotonic()
+                self.live = beat is not None
+                if self.live:
+                    self.last_seen = now
+                self.watch.observe({self.name: beat} if self.live else {}, now)
+            await asyncio.sleep(self.check_s)
+
+    async def _actor(self):
+        import ray
+
+        return await asyncio.to_thread(ray.get_actor, self.name, namespace=self.ray_namespace)
+
+    async def call(self, _: str, method: str):  # FrozenWatch's ping
+        return await getattr(await self._actor(), {"ping": "stats"}[method]).remote()
+
+    async def restart(self, _: str) -> None:
+        import ray
+
+        if not await asyncio.to_thread(self.state.claim_coordinator_restart, self.who, 10.0):
+            log.info("another frontend restarts the coordinator")
+            return
+        ray.kill(await self._actor(), no_restart=False)
+        self.restarts += 1

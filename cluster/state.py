@@ -103,6 +103,14 @@ class Keys:
     def swapped(self, wid: str) -> str:
         return f"{self.ns}:swapped:{wid}"
 
+    @property
+    def coordinator(self) -> str:  # its heartbeat (liveness.py watches it)
+        return f"{self.ns}:coordinator"
+
+    @property
+    def coordinator_restart(self) -> str:  # the one frontend that restarts a frozen coordinator
+        return f"{self.ns}:coordinator:restart"
+
 
 class WorkerPublisher:
     """A worker's side (worker/heartbeat.py's LoadPublisher): one heartbeat per publish(),
@@ -253,6 +261,18 @@ class ClusterState:
     def forget(self, worker_id: str) -> None:
         """Drop a dead worker from the registry (its keys expire by themselves)."""
         self.r.srem(self.keys.workers, worker_id)
+
+    def publish_coordinator(self, info: dict, ttl_s: float) -> None:
+        """The coordinator's heartbeat: `info`, alive for `ttl_s`."""
+        self.r.set(self.keys.coordinator, json.dumps(info), px=int(ttl_s * 1000))
+
+    def coordinator(self) -> dict | None:
+        raw = self.r.get(self.keys.coordinator)
+        return None if raw is None else json.loads(raw)
+
+    def claim_coordinator_restart(self, who: str, ttl_s: float) -> bool:
+        """Whether `who` is the one to restart the coordinator (for `ttl_s`, whoever else asks)."""
+        return bool(self.r.set(self.keys.coordinator_restart, who, nx=True, px=int(ttl_s * 1000)))
 
     def close(self) -> None:
         self.r.close()

@@ -145,7 +145,13 @@ HEALTH = dict(health_check_period_s=2, health_check_timeout_s=5, graceful_shutdo
 @serve.ingress(api)
 class FolioFrontend:
     def __init__(self, cfg: FrontendConfig) -> None:
+        from folio.cluster.liveness import CoordinatorWatch
+        from folio.cluster.state import ClusterState
+
         self.frontend = Frontend(cfg)
+        # a stopped coordinator is restarted by one of the frontends (liveness.py)
+        self.coordinator_watch = CoordinatorWatch(ClusterState(cfg.redis_url, cfg.namespace), cfg.namespace)
+        self._watch_task = asyncio.get_running_loop().create_task(self.coordinator_watch.run())
         self.grpc = None
         if cfg.grpc_port:
             self._grpc_task = asyncio.get_running_loop().create_task(self._start_grpc(cfg.grpc_port))
@@ -242,6 +248,10 @@ class FolioFrontend:
         if self.frontend.router.degraded:  # 200: it still serves (load-only routing, last known loads)
             return JSONResponse({"status": "degraded", "workers": len(loads),
                                  "detail": self.frontend.router.state_error})
+        silent = self.coordinator_watch.silent_s()
+        if silent:  # 200: it serves, but moves no request and restarts no frozen worker until it is back
+            return JSONResponse({"status": "degraded", "workers": len(loads),
+                                 "detail": f"the coordinator's heartbeat lapsed {silent:.0f} s ago"})
         return JSONResponse({"status": "ok", "workers": len(loads)})
 
     @api.get("/metrics")

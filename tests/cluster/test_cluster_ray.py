@@ -257,6 +257,55 @@ def test_a_coordinator_that_dies_comes_back_and_plans_again(cluster):
         time.sleep(0.2)
 
 
+def test_a_frozen_coordinator_is_restarted_by_the_frontends_watch(cluster):
+    """SIGSTOP the coordinator's process: it planned no move and restarted no frozen worker for as
+    long as it stayed stopped, and nothing restarted it (Ray restarts a process that exits). The
+    watch every frontend replica runs (CoordinatorWatch, run here as a replica runs it) kills it
+    once its heartbeat has lapsed past frozen_s and a ping went unanswered; Ray restarts it, and it
+    publishes and plans again."""
+    import os
+    import signal
+
+    from folio.cluster.liveness import CoordinatorWatch
+
+    pid = asyncio.run(until(lambda: coordinator_pid(cluster), "the coordinator's answer", 30))
+    watch = CoordinatorWatch(ClusterState(cluster.redis_url, "ftest"), "ftest", frozen_s=FROZEN_S,
+                             ping_timeout_s=2.0, check_s=0.2)
+
+    async def main():
+        task = asyncio.create_task(watch.run())
+        try:
+            await until(lambda: watch.live, "the coordinator's heartbeat", 10)
+            assert watch.silent_s() == 0
+            os.kill(pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            await until(lambda: watch.silent_s() > 0, "its heartbeat lapsed", 10)
+            await until(lambda: watch.restarts == 1, "the coordinator restarted", 30)
+            killed_s = time.monotonic() - t0
+            await until(lambda: watch.live, "the new coordinator's heartbeat", RESTART_BOUND_S)
+            return killed_s
+        finally:
+            task.cancel()
+    try:
+        killed_s = asyncio.run(main())
+    finally:  # a failed test leaves no stopped process behind
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    assert FROZEN_S < killed_s < FROZEN_S + 2.0 + 5.0, killed_s  # the bound, the ping, a few checks
+    assert asyncio.run(until(lambda: coordinator_pid(cluster), "the new coordinator's answer", 30)) != pid
+    rounds = ray.get(cluster.coordinator.stats.remote())["rounds"]
+    asyncio.run(until(lambda: ray.get(cluster.coordinator.stats.remote())["rounds"] > rounds + 2,
+                      "the new coordinator's rounds", 10))
+
+
+def coordinator_pid(cluster) -> int | None:
+    """Its process id; None while Ray restarts it (a call can fail just after a restart: "Socket closed")."""
+    try:
+        return ray.get(cluster.coordinator.pid.remote(), timeout=5)
+    except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return None
+
+
 @ray.remote(num_cpus=0.01)
 class _DiesExporting:
     def export(self):

@@ -81,7 +81,7 @@ def http_up(port: int) -> bool:
 
 
 @contextlib.contextmanager
-def serve_in_its_own_group(model_dir: str, namespace: str):
+def serve_in_its_own_group(model_dir: str, namespace: str, **env_extra: str):
     """`folio serve` (one worker, the HTTP API on a free port) in a process group of its own:
     yields (proc, port); afterwards the group is killed whatever happened (never procps'
     `kill -9 -PGID`: procps-ng 4.0.2 sends that to pid -1, every process)."""
@@ -90,7 +90,7 @@ def serve_in_its_own_group(model_dir: str, namespace: str):
     with socket.socket() as s:  # a port: the frontends (and Serve) run only with one
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", **env_extra)
     proc = subprocess.Popen(folio("serve", "--model", model_dir, "--num-workers", "1", "--block-size", "8",
                                   "--num-kv-blocks", "32", "--grace-period-s", "1", "--http-port", str(port),
                                   "--grpc-port", "0", "--host", "127.0.0.1", "--namespace", namespace),
@@ -148,15 +148,36 @@ def test_a_stop_while_starting_leaves_no_process_behind(model_dirs, when):
         assert_stopped_leaving_nothing(proc, seen + out)
 
 
-def test_a_frozen_frontend_replica_is_replaced(model_dirs):
-    """SIGSTOP the frontend replica (a hang that holds the GIL looks the same): it keeps its
-    listening sockets, so every client waited. Serve's default health checks (every 10 s, failed
-    after 30 s, 3 in a row, then 20 s of graceful shutdown) left it so for over 60 s; with the
-    deployment's own (serve_deployment.HEALTH) a new replica answered 22 s after the stop."""
-    with serve_in_its_own_group(model_dirs["llama"], "frozenfe") as (proc, port):
+def test_a_frozen_coordinator_and_a_frozen_frontend_replica_are_replaced(model_dirs):
+    """SIGSTOP the coordinator (its silence past FOLIO_WORKER_FROZEN_S, 3 s here): /health says
+    "degraded", and the frontend replica's watch (cluster/liveness.py) has Ray restart it; before,
+    nothing did and /health said ok. Then SIGSTOP the frontend replica (a hang that holds the GIL
+    looks the same): it keeps its listening sockets, so every client waited. Serve's default health
+    checks (every 10 s, failed after 30 s, 3 in a row, then 20 s of graceful shutdown) left it so
+    for over 60 s; with the deployment's own (serve_deployment.HEALTH) a new replica answered 22 s
+    after the stop."""
+    with serve_in_its_own_group(model_dirs["llama"], "frozenfe", FOLIO_WORKER_FROZEN_S="3") as (proc, port):
         lines = read_until_ready(proc)
-        replica = next(c for c in psutil.Process(proc.pid).children(recursive=True)
-                       if "ServeReplica" in " ".join(c.cmdline()))
+
+        def child(name):
+            return [c for c in psutil.Process(proc.pid).children(recursive=True) if name in " ".join(c.cmdline())]
+        coordinator = child("CoordinatorActor")[0]
+        coordinator.send_signal(signal.SIGSTOP)
+        t0, said = time.monotonic(), set()
+        try:
+            while not (said and health(port).get("status") == "ok" and child("CoordinatorActor")
+                       and child("CoordinatorActor")[0].pid != coordinator.pid):
+                h = health(port)
+                if h.get("status") == "degraded":
+                    said.add(h["detail"])
+                assert time.monotonic() - t0 < FROZEN_COORDINATOR_BOUND_S, f"not restarted; /health said {said}"
+                time.sleep(0.5)
+        finally:
+            with contextlib.suppress(psutil.Error):
+                coordinator.send_signal(signal.SIGCONT)
+        assert all("the coordinator's heartbeat lapsed" in d for d in said), said
+        print(f"stopped coordinator -> a new one and /health ok in {time.monotonic() - t0:.1f} s")
+        replica = child("ServeReplica")[0]
         replica.send_signal(signal.SIGSTOP)
         t0 = time.monotonic()
         try:
@@ -172,6 +193,18 @@ def test_a_frozen_frontend_replica_is_replaced(model_dirs):
         assert_stopped_leaving_nothing(proc, "".join(lines) + out)
 
 
+def health(port: int) -> dict:
+    import json
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            return json.loads(r.read())
+    except Exception as e:
+        return {"status": f"no answer: {e}"}
+
+
+FROZEN_COORDINATOR_BOUND_S = 40.0  # its heartbeat's TTL (4 s), the bound (3 s), the ping (5 s), Ray's kill (~5 s)
 FROZEN_REPLICA_BOUND_S = 60.0  # 22.0 s measured (3 failed checks of 5 s, 2 s apart, then 1 s of grace)
 
 
