@@ -11,7 +11,8 @@ Cluster state: folio_cluster_state_up (1/0: Redis answered the scrape) and
 folio_worker_heartbeat_age_seconds{worker}; while Redis is away the per-worker figures
 keep their last values (their age grows) instead of vanishing, and so do a worker's whose
 heartbeat lapsed (dead, stopped), for LAPSED_KEPT_S: it vanished at once, the requests it
-held out of sight and no series left to alert on.
+held out of sight and no series left to alert on. folio_coordinator_heartbeat_age_seconds: the
+age of the coordinator's last heartbeat (growing while it is silent; none before one is seen).
 Frontend: folio_requests_total{finish_reason} and the histograms
 folio_time_to_first_token_seconds, folio_inter_token_latency_seconds,
 folio_e2e_request_latency_seconds, folio_queue_time_seconds.
@@ -43,12 +44,15 @@ class WorkerCollector:
     def __init__(self, state, model_name: str = "") -> None:
         self.state, self.model_name = state, model_name
         self._last: dict = {}  # each worker's last load read from the cluster state
+        self._coordinator_at: float | None = None  # its last heartbeat's time.time()
 
     def collect(self):
         # Redis away: the last values stay (not a silent drop to nothing), marked by
         # folio_cluster_state_up 0 and a growing folio_worker_heartbeat_age_seconds
         try:
             self._last.update(self.state.live_loads())
+            beat = self.state.coordinator()
+            self._coordinator_at = beat["time"] if beat else self._coordinator_at
             up = 1.0
         except Exception:
             up = 0.0
@@ -64,6 +68,11 @@ class WorkerCollector:
         for w, l in loads.items():
             age.add_metric([m, w], max(now - l.timestamp, 0.0))
         yield age
+        if self._coordinator_at is not None:
+            g = GaugeMetricFamily("folio_coordinator_heartbeat_age_seconds",
+                                  "Age of the coordinator's last heartbeat (it beats every second)")
+            g.add_metric([], max(now - self._coordinator_at, 0.0))
+            yield g
         gauges = {
             "folio_requests_running": ("Requests running on the worker", lambda l: l.num_running),
             "folio_requests_waiting": ("Requests waiting on the worker", lambda l: l.num_waiting),

@@ -108,3 +108,23 @@ def test_metrics_keep_a_lapsed_workers_last_figures_for_a_while(redis_server, ns
     assert running == {"w0": 1.0, "w1": 1.0} and age["w1"] >= 0.3 > age["w0"], age
     monkeypatch.setattr(metrics, "LAPSED_KEPT_S", 0.3)
     assert scrape(collector)[0] == {"w0": 1.0}  # past the bound: gone
+
+
+def test_metrics_give_the_coordinators_heartbeat_age(redis_server, ns):
+    """None before a coordinator is seen; its age while it beats; growing once it stops (a stopped
+    coordinator said nothing anywhere before, 2026-12-07)."""
+    from folio.deploy import metrics
+
+    def age(collector):
+        fams = {f.name: f for f in collector.collect()}
+        f = fams.get("folio_coordinator_heartbeat_age_seconds")
+        return None if f is None else f.samples[0].value
+
+    state = ClusterState(redis_server.url, ns)
+    collector = metrics.WorkerCollector(state, "m")
+    assert age(collector) is None
+    state.publish_coordinator({"rounds": 1, "time": time.time()}, ttl_s=0.3)
+    assert 0 <= age(collector) < 0.3
+    time.sleep(0.5)  # the key lapsed: the last beat's age keeps growing
+    assert state.coordinator() is None
+    assert age(collector) >= 0.5
