@@ -98,6 +98,7 @@ class CoordinatorWatch:
         self.who = f"{socket.gethostname()}:{os.getpid()}"
         self.last_seen: float | None = None  # monotonic, its last heartbeat seen
         self.live = False
+        self._blind = False  # the last read failed (Redis away)
         self.restarts = 0
 
     def silent_s(self) -> float:
@@ -106,17 +107,25 @@ class CoordinatorWatch:
 
     async def run(self) -> None:
         while True:
-            try:
-                beat = await asyncio.to_thread(self.state.coordinator)
-            except Exception as e:  # Redis away: nobody is known silent until it is back
-                log.debug("cluster state unavailable: %s", e)
-            else:
-                now = time.monotonic()
-                self.live = beat is not None
-                if self.live:
-                    self.last_seen = now
-                self.watch.observe({self.name: beat} if self.live else {}, now)
+            await self.check()
             await asyncio.sleep(self.check_s)
+
+    async def check(self) -> None:
+        """One read of its heartbeat."""
+        try:
+            beat = await asyncio.to_thread(self.state.coordinator)
+        except Exception as e:  # Redis away: nobody is known silent until it is back
+            log.debug("cluster state unavailable: %s", e)
+            self._blind = True
+            return
+        now = time.monotonic()
+        # Redis back: the coordinator's silence counts from now, since it could not beat either
+        # (a 20 s Redis stop read "lapsed 21 s ago" until its next beat)
+        self.live = beat is not None or (self._blind and self.last_seen is not None)
+        self._blind = False
+        if self.live:
+            self.last_seen = now
+        self.watch.observe({self.name: beat} if self.live else {}, now)
 
     async def _actor(self):
         import ray
