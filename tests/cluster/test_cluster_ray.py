@@ -426,11 +426,17 @@ FROZEN_FAIL_BOUND_S = 40.0
 
 def test_ray_processes_get_the_fast_death_setting(cluster):
     """Who calls a worker (this driver, the coordinator, Serve replicas) is a process of the Ray started
-    here: each must fail a call on a dead worker at once, not after Ray's death-info wait."""
+    here: each must fail a call on a dead worker at once, not after Ray's death-info wait; and the
+    raylet kills a stopped process 1 s after asking it to exit, not 5 (its config, read in a worker)."""
     import os
 
     key = "RAY_timeout_ms_task_wait_for_death_info"
     assert ray.get(ray.remote(num_cpus=0.01)(lambda: os.environ.get(key)).remote()) == os.environ[key] == "0"
+
+    def kill_timeout_ms():
+        from ray._raylet import Config
+        return Config.kill_worker_timeout_milliseconds()
+    assert ray.get(ray.remote(num_cpus=0.01)(kill_timeout_ms).remote()) == 1000
 
 
 def test_killed_worker_fails_or_reroutes_its_requests_and_is_restarted(cluster, model_dirs):

@@ -57,7 +57,7 @@ from conftest import PROMPTS, process_running, ray_step_delay, redis_url_of, wai
 
 BIN = os.path.dirname(sys.executable)
 ENV = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0",
-           RAY_timeout_ms_task_wait_for_death_info="0")
+           RAY_timeout_ms_task_wait_for_death_info="0", RAY_kill_worker_timeout_milliseconds="1000")
 FRONTEND_RESOURCES = {"folio-frontend": 1000}  # what the chart's head advertises
 HEAD_TAG, NODE2_TAG = "two-node-head", "two-node-node2"  # custom resources: pin a GPU hold to a node
 # test 1: KV for 384 tokens per worker (blocks of 16 KiB with the tiny Llama's 1 KiB per token),

@@ -139,6 +139,9 @@ initContainers:
 # a call in flight on a dead worker fails at once instead of waiting 1-2 s for Ray's death reason
 - name: RAY_timeout_ms_task_wait_for_death_info
   value: "0"
+# a stopped process that Folio kills (a frozen worker or coordinator) gets SIGKILL after 1 s, not 5
+- name: RAY_kill_worker_timeout_milliseconds
+  value: "1000"
 {{- if .Values.apiKey.enabled }}
 - name: FOLIO_API_KEY
   valueFrom:
