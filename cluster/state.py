@@ -267,8 +267,13 @@ class ClusterState:
         self.r.set(self.keys.coordinator, json.dumps(info), px=int(ttl_s * 1000))
 
     def coordinator(self) -> dict | None:
+        """Its last heartbeat, or None (lapsed, or not one: whatever else the key holds)."""
         raw = self.r.get(self.keys.coordinator)
-        return None if raw is None else json.loads(raw)
+        try:
+            beat = None if raw is None else json.loads(raw)
+        except ValueError:
+            return None
+        return beat if isinstance(beat, dict) and isinstance(beat.get("time"), (int, float)) else None
 
     def claim_coordinator_restart(self, who: str, ttl_s: float) -> bool:
         """Whether `who` is the one to restart the coordinator (for `ttl_s`, whoever else asks)."""

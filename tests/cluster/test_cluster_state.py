@@ -128,3 +128,14 @@ def test_metrics_give_the_coordinators_heartbeat_age(redis_server, ns):
     time.sleep(0.5)  # the key lapsed: the last beat's age keeps growing
     assert state.coordinator() is None
     assert age(collector) >= 0.5
+
+
+def test_a_coordinator_key_that_is_not_a_heartbeat_reads_as_none(redis_server, ns):
+    """Whatever else the key holds reads as no heartbeat, not as Redis away (which would mark the
+    cluster state down in /metrics and blind the frontends' watch)."""
+    state = ClusterState(redis_server.url, ns)
+    for junk in (b"not json", b"[1, 2]", b'{"time": "x"}', b"\xff\xfe", b"null"):
+        state.r.set(state.keys.coordinator, junk)
+        assert state.coordinator() is None
+    state.publish_coordinator({"rounds": 3, "time": 12.5}, ttl_s=5)
+    assert state.coordinator() == {"rounds": 3, "time": 12.5}
