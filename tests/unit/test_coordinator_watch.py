@@ -63,29 +63,27 @@ def test_silent_only_when_redis_answers_without_its_heartbeat_after_it_was_seen(
     asyncio.run(main())
 
 
+def checks(w: CoordinatorWatch, state: State, first, then, n: int = 5) -> None:
+    """One read with the key as `first`, then `n` reads with it as `then`, 3 ms apart."""
+    async def main():
+        state.now = first
+        await w.check()
+        state.now = then
+        for _ in range(n):
+            await asyncio.sleep(0.003)
+            await w.check()
+        await w.watch.stop()
+    asyncio.run(main())
+
+
 def test_a_coordinator_never_seen_is_never_pinged_nor_reported():
     """None runs (`coordinator=False`), or it has not started yet."""
     w, state, pings = make(frozen_s=0.0)
-
-    async def main():
-        state.now = None
-        for _ in range(5):
-            await w.check()
-            await asyncio.sleep(0.002)
-        await w.watch.settle()
-    asyncio.run(main())
+    checks(w, state, None, None)
     assert w.silent_s() == 0 and pings == []
 
 
 def test_silent_past_the_bound_it_is_pinged():
     w, state, pings = make(frozen_s=0.005)
-
-    async def main():
-        await w.check()
-        state.now = None
-        for _ in range(5):
-            await w.check()
-            await asyncio.sleep(0.003)
-        await w.watch.stop()
-    asyncio.run(main())
+    checks(w, state, BEAT, None)
     assert pings  # (and killed when the ping goes unanswered: the Ray test)
