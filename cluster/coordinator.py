@@ -61,7 +61,8 @@ class Coordinator:
         self.watch: FrozenWatch | None = None  # the Ray actor's: restarts a frozen worker (liveness.py)
 
     async def round(self) -> list[Move]:
-        """One look at the cluster and the moves it called for (done by the time it returns)."""
+        """One look at the cluster and the moves it called for: those done within `move_wait_s`
+        (the rest go on; their workers sit out the planning until they end)."""
         self.rounds += 1
         try:
             loads = await asyncio.to_thread(self.state.live_loads)
