@@ -139,3 +139,14 @@ def test_a_coordinator_key_that_is_not_a_heartbeat_reads_as_none(redis_server, n
         assert state.coordinator() is None
     state.publish_coordinator({"rounds": 3, "time": 12.5}, ttl_s=5)
     assert state.coordinator() == {"rounds": 3, "time": 12.5}
+
+
+def test_one_frontend_claims_a_coordinator_restart(redis_server, ns):
+    """Every frontend replica watches the coordinator; the first to claim the restart kills it, the
+    others see the claim taken (and a kill of the restarted one is not sent twice) until it lapses."""
+    a, b = ClusterState(redis_server.url, ns), ClusterState(redis_server.url, ns)
+    assert a.claim_coordinator_restart("replica-a", ttl_s=0.3)
+    assert not b.claim_coordinator_restart("replica-b", ttl_s=0.3)
+    assert not a.claim_coordinator_restart("replica-a", ttl_s=0.3)
+    time.sleep(0.4)
+    assert b.claim_coordinator_restart("replica-b", ttl_s=0.3)
