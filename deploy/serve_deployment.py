@@ -146,11 +146,10 @@ HEALTH = dict(health_check_period_s=2, health_check_timeout_s=5, graceful_shutdo
 class FolioFrontend:
     def __init__(self, cfg: FrontendConfig) -> None:
         from folio.cluster.liveness import CoordinatorWatch
-        from folio.cluster.state import ClusterState
 
         self.frontend = Frontend(cfg)
-        # a stopped coordinator is restarted by one of the frontends (liveness.py)
-        self.coordinator_watch = CoordinatorWatch(ClusterState(cfg.redis_url, cfg.namespace), cfg.namespace)
+        # a stopped coordinator is restarted by one of the frontends (liveness.py); the router's Redis client
+        self.coordinator_watch = CoordinatorWatch(self.frontend.router.state, cfg.namespace)
         self._watch_task = asyncio.get_running_loop().create_task(self.coordinator_watch.run())
         self.grpc = None
         if cfg.grpc_port:
