@@ -15,7 +15,8 @@ held out of sight and no series left to alert on. folio_coordinator_heartbeat_ag
 age of the coordinator's last heartbeat (growing while it is silent; none before one is seen).
 Frontend: folio_requests_total{finish_reason} and the histograms
 folio_time_to_first_token_seconds, folio_inter_token_latency_seconds,
-folio_e2e_request_latency_seconds, folio_queue_time_seconds.
+folio_e2e_request_latency_seconds, folio_queue_time_seconds: summed over every frontend
+replica of the deployment, whichever one is scraped (replica_metrics.py).
 
 Every series of a request, a token or a worker carries `model_name` (the first served
 name), as vLLM's do (its dashboards select on it); folio_cluster_state_up does not (it is
@@ -127,9 +128,10 @@ class _Labelled:
 
 class Metrics:
     def __init__(self, state, model_name: str = "") -> None:
-        self.registry = CollectorRegistry()
-        self.registry.register(WorkerCollector(state, model_name))
-        r, m = self.registry, ["model_name"]
+        from folio.deploy.replica_metrics import ReplicaMetrics
+
+        self.own = CollectorRegistry()  # this replica's, served summed with every other replica's
+        r, m = self.own, ["model_name"]
 
         def hist(name: str, doc: str):
             return Histogram(name, doc, m, buckets=LATENCY_BUCKETS, registry=r).labels(model_name=model_name)
@@ -139,6 +141,10 @@ class Metrics:
         self.itl = hist("folio_inter_token_latency_seconds", "Time between streamed tokens")
         self.e2e = hist("folio_e2e_request_latency_seconds", "Arrival to last token")
         self.queue = hist("folio_queue_time_seconds", "Arrival to first scheduled")
+        self.replicas = ReplicaMetrics(state, self.own)  # its `run` publishes this replica's (a thread)
+        self.registry = CollectorRegistry()
+        self.registry.register(WorkerCollector(state, model_name))
+        self.registry.register(self.replicas)
 
     def render(self, accept: str | None = None) -> tuple[bytes, str]:
         """(body, content type): OpenMetrics if `accept` (an Accept header) asks for it."""

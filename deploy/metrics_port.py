@@ -2,6 +2,9 @@
 bound to the configured host that serves the registry at any path, behind the same API key
 as the HTTP API (`Authorization: Bearer <key>`, 401 otherwise). prometheus_client's own
 `start_http_server` has no auth, hence this. OpenMetrics when the Accept header asks for it.
+Bound with SO_REUSEPORT: every frontend replica on a node serves it, each with the figures of
+all of them (replica_metrics.py); a second replica failed to bind it, and a deployment of two
+never ran (2026-12-07).
 
     server = start_metrics_server(registry, port, host, api_key)   # serves in a daemon thread
     server.shutdown()
@@ -40,7 +43,10 @@ def start_metrics_server(registry, port: int, host: str, api_key: str | None) ->
         def log_message(self, *args) -> None:  # scrapes are not news
             pass
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    class Server(ThreadingHTTPServer):
+        allow_reuse_port = True  # the replicas of a deployment share the port, as the API ports
+
+    server = Server((host, port), Handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="folio-metrics-port", daemon=True).start()
     return server

@@ -22,6 +22,7 @@ With an API key every route but /health needs it (/v1/*, /tokenize, /detokenize,
 
 import asyncio
 import json
+import threading
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
@@ -160,6 +161,9 @@ class FolioFrontend:
 
             self.http = HTTPServer(api, cfg.host, cfg.http_port, max_body_bytes=cfg.max_body_bytes).start(
                 ready=lambda: serve.get_replica_context().servable_object is not None)
+        self._metrics_stop = threading.Event()  # this replica's figures, for the others' scrapes
+        threading.Thread(target=self.frontend.metrics.replicas.run, args=(self._metrics_stop,), daemon=True,
+                         name="folio-replica-metrics").start()
         self.metrics_server = None
         if cfg.metrics_port:
             from folio.deploy.metrics_port import start_metrics_server

@@ -9,6 +9,11 @@ dir, ports and logical GPUs), then on it
    KV size and the bind address swapped for this machine's) deployed with `serve deploy`
    (the dashboard REST API that KubeRay's RayService controller uses): the workers land on
    the GPU node, the frontend on the head, HTTP and gRPC answer as the offline engine does.
+   Two frontend replicas (`serve.frontendReplicas`) share the head's ports, the metrics port
+   included (each scrape counts both replicas' requests); the coordinator, stopped (SIGSTOP) while
+   both replicas watch it, is restarted once. (Their kills come within a second of each other, so
+   both reach the same stopped process: this does not show the claim in Redis, which lets one
+   replica kill; test_cluster_state.py does.)
 
 Topology: the head has 1 logical GPU and the chart's `folio-frontend` resource, node2 has 2
 GPUs. Test 1 holds one of node2's GPUs (a placement group) so that the two workers must land
@@ -57,7 +62,8 @@ from conftest import PROMPTS, process_running, ray_step_delay, redis_url_of, wai
 
 BIN = os.path.dirname(sys.executable)
 ENV = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0",
-           RAY_timeout_ms_task_wait_for_death_info="0", RAY_kill_worker_timeout_milliseconds="1000")
+           RAY_timeout_ms_task_wait_for_death_info="0", RAY_kill_worker_timeout_milliseconds="1000",
+           FOLIO_WORKER_FROZEN_S="3")  # the frozen watches' bound (liveness.py; 20 s by default)
 FRONTEND_RESOURCES = {"folio-frontend": 1000}  # what the chart's head advertises
 HEAD_TAG, NODE2_TAG = "two-node-head", "two-node-node2"  # custom resources: pin a GPU hold to a node
 # test 1: KV for 384 tokens per worker (blocks of 16 KiB with the tiny Llama's 1 KiB per token),
@@ -396,7 +402,8 @@ def chart_serve_config(model: str, http: int, grpc_port: int, metrics: int, redi
               "serve": {"dtype": "float32", "kvCacheLayout": "layer_major",
                         "kvCacheMemoryGb": CHART_ENGINE["kv_cache_memory_gb"],
                         "swapSpaceGb": CHART_ENGINE["swap_space_gb"], "blockSize": CHART_ENGINE["block_size"],
-                        "httpPort": http, "grpcPort": grpc_port, "metricsPort": metrics}}
+                        "httpPort": http, "grpcPort": grpc_port, "metricsPort": metrics,
+                        "frontendReplicas": 2}}
     chart = helm.Chart.load(CHART)
     chart.validate_schema(values)
     docs = [d for path, text in chart.render(values, name="demo", namespace="ai").items() if path.endswith(".yaml")
@@ -435,6 +442,43 @@ def frontend_nodes(cluster) -> list[str]:
     return [node for cls, node in actors(cluster, "serve").values() if cls.endswith(":FolioFrontend")]
 
 
+def requests_counted(port: int) -> float:
+    """folio_requests_total on the metrics port, summed over its labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "folio_requests_total")
+
+
+def coordinator_restarts(cluster, ns: str) -> int:
+    from ray.util.state import list_actors
+
+    found = list_actors(address=cluster["dashboard"], filters=[("name", "=", f"{ns}-coordinator")], detail=True)
+    return max(a.num_restarts for a in found if a.ray_namespace == ns)
+
+
+def stop_the_coordinator_once(cluster, ns: str, http: int) -> None:
+    """SIGSTOP the coordinator: both frontend replicas' watches find it silent and ping it, and
+    Ray restarts it once; /health is ok again after it."""
+    coordinator = ray.get_actor(f"{ns}-coordinator", namespace=ns)
+    pid, before = ray.get(coordinator.pid.remote(), timeout=30), coordinator_restarts(cluster, ns)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        def new_pid():
+            with contextlib.suppress(Exception):
+                return ray.get(coordinator.pid.remote(), timeout=5) != pid
+        wait_for(new_pid, 90, "a new coordinator process")
+        health = f"http://127.0.0.1:{http}/health"
+        wait_for(lambda: (http_json(health)[1] or {}).get("status") == "ok", 30, "/health ok")
+        time.sleep(3)  # what a second kill would have needed to show
+        assert coordinator_restarts(cluster, ns) == before + 1
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
 def test_helm_chart_serve_config_deploys_with_serve_deploy(two_nodes, model_dirs, tmp_path):
     from folio.cluster.redis_server import EmbeddedRedis
 
@@ -450,10 +494,17 @@ def test_helm_chart_serve_config_deploys_with_serve_deploy(two_nodes, model_dirs
             wait_for(lambda: app_status(two_nodes) == "RUNNING", 300, "the chart's application RUNNING")
             where = actors(two_nodes, ns)
             assert {where[actor_name(ns, w)][1] for w in ("w0", "w1")} == {two_nodes["node2"]}  # the GPU node
-            assert frontend_nodes(two_nodes) == [two_nodes["head"]]  # pinned by folio-frontend
+            assert frontend_nodes(two_nodes) == [two_nodes["head"]] * 2  # pinned by folio-frontend
             assert http_json(f"http://127.0.0.1:{http}/health")[0] == 200
             check_apis(f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc_port}", model, CHART_ENGINE)
             assert_idle(ns)
+            # both replicas serve the metrics port, each with both replicas' requests (replica_metrics.py)
+            state = ClusterState(redis.url, ns)
+            wait_for(lambda: len(state.r.hkeys(f"{ns}:frontend_metrics")) == 2, 10, "both replicas' metrics published")
+            wait_for(lambda: {requests_counted(metrics) for _ in range(8)} == {2 * len(PROMPTS)}, 20,
+                     "every scrape of the metrics port counting the requests of both replicas")
+            stop_the_coordinator_once(two_nodes, ns, http)
+            check_apis(f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc_port}", model, CHART_ENGINE)
         finally:
             serve_cli(two_nodes, "shutdown", "-y")
             # the builder's workers and coordinator are detached (they outlive a redeploy):
