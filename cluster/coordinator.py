@@ -180,12 +180,13 @@ class CoordinatorActor:
     coordinator's cluster never moved a request again (an attack, 2026-12-06)."""
 
     def __init__(self, redis_url: str, namespace: str, ray_namespace: str | None = None,
-                 frozen_s: float | None = None, **kw) -> None:
+                 frozen_s: float | None = None, start_s: float | None = None, **kw) -> None:
         from folio.cluster.worker_client import RayWorkerClient
 
         client = RayWorkerClient(namespace, ray_namespace)
         self.coordinator = Coordinator(ClusterState(redis_url, namespace), client, **kw)
-        self.coordinator.watch = FrozenWatch(client) if frozen_s is None else FrozenWatch(client, frozen_s)
+        bounds = {k: v for k, v in (("frozen_s", frozen_s), ("start_s", start_s)) if v is not None}
+        self.coordinator.watch = FrozenWatch(client, **bounds)
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="folio-coordinator", daemon=True).start()
         self._loop.call_soon_threadsafe(self.coordinator.start)

@@ -71,6 +71,7 @@ class ClusterConfig:
     coordinator_interval_s: float = 0.1
     coordinator: bool = True  # moves requests across workers (two or more) and restarts a frozen one
     worker_frozen_s: float | None = None  # a worker silent this long and deaf to a ping is restarted (liveness.py)
+    worker_start_s: float | None = None  # a restarted worker's time to publish before it is asked again (same)
     ready_timeout_s: float = 180.0
     # per worker: the ranks (GPUs) of its tensor-parallel group; None: engine_args' tensor_parallel_size
     tensor_parallel_sizes: list[int] | None = None
@@ -154,7 +155,8 @@ class FolioCluster:
             self.coordinator = ray.remote(CoordinatorActor).options(  # restarted when its process dies
                 num_cpus=0.05, name=f"{cfg.namespace}-coordinator", namespace=cfg.namespace, max_restarts=-1,
                 **self._lifetime()).remote(
-                self.redis_url, cfg.namespace, cfg.namespace, frozen_s=cfg.worker_frozen_s, interval_s=interval)
+                self.redis_url, cfg.namespace, cfg.namespace, frozen_s=cfg.worker_frozen_s,
+                start_s=cfg.worker_start_s, interval_s=interval)
             ray.get(self.coordinator.start.remote())
         self.router = Router(ClusterState(self.redis_url, cfg.namespace), client, cfg.router)
         return self

@@ -8,9 +8,15 @@ Ray restarts only a process that exits). Its heartbeat lapses, so new requests g
 this watch then asks Ray, and a worker that has published nothing for `frozen_s` and does not
 answer a ping within `ping_timeout_s` is killed, which Ray restarts (max_restarts): its
 frontends' connections close, its requests fail or run elsewhere (the router's paths for a
-killed worker). A ping that fails at once is a worker dead or restarting, Ray's business: never
-killed here. Once killed, a worker is watched again only after its new process publishes.
-As Ray Serve replaces a replica that fails its health checks (30 s by default).
+killed worker). A ping that fails at once is a worker dead or restarting, Ray's business (for
+`start_s`: below). As Ray Serve replaces a replica that fails its health checks (30 s by default).
+
+A worker restarting (by this watch or by Ray after a crash) fails a ping at once, as Ray
+answers for an actor whose new process is still in its __init__. It has `start_s`
+(FOLIO_WORKER_START_S, 600 s: a model's load) from its last sign of life or its last kill by
+this watch to publish again; past that it is killed again, as Kubernetes' startup probe does.
+Before, a new process stuck in its start (a hung device init, a model on storage that stopped
+answering) was never looked at again, and the cluster ran a worker short for good (2026-12-07).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import socket
 import time
 
 FROZEN_S = float(os.environ.get("FOLIO_WORKER_FROZEN_S", "20"))
+START_S = float(os.environ.get("FOLIO_WORKER_START_S", "600"))  # a restarting process's time to publish
 PING_TIMEOUT_S = 5.0
 COORDINATOR_TTL_S = 3.0  # the coordinator's heartbeat outlives its last beat by this (it beats every second)
 log = logging.getLogger("folio.liveness")
@@ -29,11 +36,11 @@ log = logging.getLogger("folio.liveness")
 
 class FrozenWatch:
     def __init__(self, client, frozen_s: float = FROZEN_S, ping_timeout_s: float = PING_TIMEOUT_S,
-                 what: str = "worker ") -> None:
+                 what: str = "worker ", start_s: float = START_S) -> None:
         self.client = client  # call(wid, "ping") and restart(wid): RayWorkerClient
         self.what = what  # in its log lines: what `wid` names
-        self.frozen_s, self.ping_timeout_s = frozen_s, ping_timeout_s
-        self.seen: dict[str, float] = {}  # wid -> when its heartbeat was last live (monotonic)
+        self.frozen_s, self.ping_timeout_s, self.start_s = frozen_s, ping_timeout_s, start_s
+        self.seen: dict[str, float] = {}  # wid -> its heartbeat last live, or this watch's last kill (monotonic)
         self._checks: dict[str, asyncio.Task] = {}  # wid -> its ping under way
         self.restarts = 0
 
@@ -50,21 +57,24 @@ class FrozenWatch:
                 task.add_done_callback(lambda _, w=wid: self._checks.pop(w, None))
 
     async def _check(self, wid: str, now: float) -> None:
+        t0 = time.monotonic()
         try:
             await asyncio.wait_for(self.client.call(wid, "ping"), self.ping_timeout_s)
-        except asyncio.TimeoutError:
-            pass  # frozen
+        except asyncio.TimeoutError:  # frozen
+            why = f"did not answer a ping in {self.ping_timeout_s:.0f} s"
         except Exception as e:  # dead or restarting: Ray restarts it, its heartbeat comes back
-            log.debug("%s%s did not answer a ping: %s", self.what, wid, e)
-            return
+            if now - self.seen.get(wid, now) <= self.start_s:
+                log.debug("%s%s did not answer a ping: %s", self.what, wid, e)
+                return
+            why = f"has been starting for over {self.start_s:.0f} s ({type(e).__name__})"  # stuck in its start
         else:  # alive to Ray: what failed is its way to Redis, not the worker; asked again in frozen_s
             self.seen[wid] = max(self.seen.get(wid, now), now)
             return
         if self.seen.get(wid, now) > now:  # it published again while the ping waited: it is back
             return
-        self.seen.pop(wid, None)
-        log.warning("%s%s has published nothing for over %.0f s and did not answer a ping in %.0f s: "
-                    "restarting it", self.what, wid, self.frozen_s, self.ping_timeout_s)
+        self.seen[wid] = now + (time.monotonic() - t0)  # its new process's start counts from the kill
+        log.warning("%s%s has published nothing for over %.0f s and %s: restarting it", self.what, wid,
+                    self.frozen_s, why)
         try:
             await self.client.restart(wid)
         except Exception:

@@ -23,12 +23,14 @@ from conftest import PROMPTS, ray_step_delay, until  # noqa: E402
 ENGINE = dict(block_size=8, num_kv_blocks=24, num_cpu_blocks=96, max_model_len=256, preemption_mode="swap")
 TIMEOUT_S = 120
 FROZEN_S = 3.0  # the cluster's worker_frozen_s: a worker silent this long and deaf to a ping is restarted
+START_S = 10.0  # its worker_start_s: a restarted worker's time to publish (ample for the tiny model's load)
 
 
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
     c = FolioCluster(ClusterConfig(model=model_dirs["llama"], num_workers=2, engine_args=ENGINE,
-                                   router="least-loaded", namespace="ftest", worker_frozen_s=FROZEN_S)).start()
+                                   router="least-loaded", namespace="ftest", worker_frozen_s=FROZEN_S,
+                                   worker_start_s=START_S)).start()
     yield c
     c.shutdown(grace_s=2)
 
@@ -474,6 +476,56 @@ def test_a_frozen_worker_is_restarted_and_its_requests_end(cluster, model_dirs):
                 os.kill(pid, signal.SIGCONT)
     assert fail_s and FROZEN_S < min(fail_s) and max(fail_s) < FROZEN_FAIL_BOUND_S, fail_s
     assert ray.get(cluster.coordinator.stats.remote())["frozen_restarts"] == restarts + 1
+
+
+def test_a_restarted_worker_stuck_in_its_start_is_restarted_again(cluster, model_dirs):
+    """w1 stopped: the watch kills it and Ray starts a new process, which is stopped in its
+    __init__ (a start stuck for good: a hung device init, a model on storage that stopped
+    answering). The watch waited for its first heartbeat for ever, and the cluster ran a worker
+    short (2026-12-07): a ping to it fails at once (Ray's answer while an actor restarts), which
+    the watch left to Ray. Now, once worker_start_s has passed since the kill, it is killed again,
+    and the third process serves as the offline engine does."""
+    import os
+    import signal
+
+    psutil = pytest.importorskip("psutil")
+    w1 = cluster.workers["w1"]
+    first = ray.get(w1.pid.remote())
+    raylet = psutil.Process(first).ppid()
+    restarts = ray.get(cluster.coordinator.stats.remote())["frozen_restarts"]
+    stopped = [first]
+
+    def starting():  # w1's next process, in its __init__ (Ray's process title: "ray::<name>:<class>.__init__")
+        for p in psutil.Process(raylet).children():
+            with contextlib.suppress(psutil.Error):
+                title = " ".join(p.cmdline())
+                if p.pid not in stopped and title.startswith("ray::ftest-worker-w1:EngineWorker.__init__"):
+                    return p.pid
+
+    def serving():
+        with contextlib.suppress(Exception):
+            return ray.get(w1.pid.remote(), timeout=1) not in stopped
+    probe = (list(range(70, 90)), SamplingParams(max_tokens=8, temperature=0.0))
+    os.kill(first, signal.SIGSTOP)
+    try:
+        second = asyncio.run(until(starting, "w1's second process", 60, interval_s=0.005))
+        os.kill(second, signal.SIGSTOP)
+        stopped.append(second)
+        t = time.monotonic()
+        asyncio.run(until(serving, "w1's third process", START_S + 30, interval_s=0.2))
+        third_s = time.monotonic() - t
+        asyncio.run(until(lambda: "w1" in cluster.router.state.live_loads(), "w1 registered again", 30))
+        pinned = asyncio.run(run(cluster.router, GenerateRequest(request_id="third", prompt_token_ids=probe[0],
+                                                                  params=probe[1]), worker_id="w1"))
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    print(f"the stuck start replaced after {third_s:.1f} s")
+    assert START_S - 2 < third_s  # not before its start had run out (counted from the kill, just before t)
+    assert ray.get(cluster.coordinator.stats.remote())["frozen_restarts"] == restarts + 2
+    assert pinned[0] == offline(model_dirs["llama"], [probe[0]], probe[1])[0]
+    assert_idle_and_consistent(cluster)
 
 
 def test_a_worker_frozen_mid_move_is_restarted_and_the_coordinator_goes_on(cluster, tokenizer, model_dirs):

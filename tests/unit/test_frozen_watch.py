@@ -13,6 +13,7 @@ from folio.cluster.liveness import FrozenWatch
 from folio.worker.errors import UnavailableError
 
 FROZEN_S = 3.5
+START_S = 6.0  # a restarting worker's time to publish before it is asked again
 WORKERS = ("w0", "w1", "w2")
 
 
@@ -42,11 +43,14 @@ tick = st.fixed_dictionaries({w: st.tuples(st.sampled_from([True, False, False, 
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(tick, min_size=1, max_size=30))
-def test_only_a_worker_silent_past_the_bound_and_deaf_to_a_ping_is_restarted_once(history):
+def test_only_a_worker_silent_past_the_bound_and_deaf_to_a_ping_is_restarted(history):
+    """Once per silence; and one restarting (a ping fails at once) for over START_S since its last
+    sign of life or its last restart (a start stuck for good was never looked at again before
+    2026-12-07)."""
     client = Client()
 
     async def main():
-        watch = FrozenWatch(client, frozen_s=FROZEN_S, ping_timeout_s=0.002)
+        watch = FrozenWatch(client, frozen_s=FROZEN_S, ping_timeout_s=0.002, start_s=START_S)
         for t, state in enumerate(history):
             client.tick = t
             client.mode = {w: mode for w, (_, mode) in state.items()}
@@ -70,10 +74,13 @@ def test_only_a_worker_silent_past_the_bound_and_deaf_to_a_ping_is_restarted_onc
                 continue
             if mode == "hangs":
                 expected.append((t, w))
-                last_live = None  # watched again once it publishes
+                asked = t  # its new process's start counts from here
             elif mode == "answers":
                 asked = t
-            # "fails": dead or restarting, Ray's business; asked again next second
+            elif t - asked > START_S:  # "fails" (dead or restarting) past its start: stuck starting
+                expected.append((t, w))
+                asked = t
+            # "fails" within its start: Ray's business; asked again next second
     assert sorted(client.restarted) == sorted(expected), history
 
 
@@ -92,3 +99,27 @@ def test_a_worker_that_publishes_again_while_its_ping_waits_is_not_restarted():
         return watch.restarts
 
     assert asyncio.run(main()) == 0 and client.restarted == []
+
+
+def test_a_restarted_worker_stuck_in_its_start_is_restarted_again():
+    """Killed as frozen, its new process stuck in its __init__: pings fail at once (Ray's answer
+    for an actor restarting), and once `start_s` has passed since the kill it is killed again,
+    and again after that. One that publishes within its start is left."""
+    client = Client()
+    client.mode = {"w0": "hangs", "w1": "hangs"}
+
+    async def main():
+        watch = FrozenWatch(client, frozen_s=FROZEN_S, ping_timeout_s=0.002, start_s=START_S)
+        for t in range(40):
+            client.tick = t
+            live = {"w0": None, "w1": None} if t == 0 else {"w1": None} if t >= 5 else {}
+            watch.observe(live, now=float(t))
+            await watch.settle()
+            if client.restarted:  # after the first kill, w0 is restarting for good
+                client.mode = {"w0": "fails", "w1": "hangs"}
+        await watch.stop()
+
+    asyncio.run(main())
+    restarts_of = {w: [t for t, x in client.restarted if x == w] for w in ("w0", "w1")}
+    assert restarts_of["w0"] == [4, 11, 18, 25, 32, 39]  # frozen at 4; then 6 s of start past each kill
+    assert restarts_of["w1"] == [4]  # its new process published from 5 on
