@@ -34,6 +34,6 @@ def build(args: dict):
     config = cluster_config(ns)
     config.detached = True
     cluster = FolioCluster(config).start()
-    return FolioFrontend.options(num_replicas=int(args.get("frontend_replicas", 1)),
+    return FolioFrontend.options(num_replicas=int(args.get("frontend_replicas", ns.frontend_replicas)),
                                  ray_actor_options={"num_cpus": 0.1, "resources": {"folio-frontend": 1}}
                                  ).bind(frontend_config(ns, cluster))

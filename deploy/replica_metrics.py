@@ -22,7 +22,9 @@ goes:
 - a replica silent for RETIRE_S is folded into "retired", in one WATCH transaction;
 - a replica once folded can publish no more (a Lua check), so it is never counted twice.
 
-While Redis is away, the last figures read stay.
+While Redis is away, each replica answers its own figures and the others' as it last read them
+(folio_cluster_state_up is 0 meanwhile): such totals can differ from replica to replica, lower
+than an earlier scrape's by what the others did since, until Redis is back.
 """
 
 from __future__ import annotations
@@ -113,14 +115,18 @@ class ReplicaMetrics:
     def total(self) -> Figures:
         """Every replica's figures as Redis holds them, this one's published first: the same
         sum from whichever replica, never lower than an earlier scrape's. Redis away: this
-        replica's own figures and the others' last read."""
+        replica's own figures and the others' as it last read them, so replicas differ (each
+        saw the others last at its own last scrape) until Redis is back."""
         own = figures(self.own)
         try:
             self.publish(own)
             every = self._read()
         except (redis.RedisError, OSError) as e:
             log.debug("other replicas' metrics unavailable: %s", e)
-            return add(dict(own), {k: v for figs in self.others.values() for k, v in figs.items()})
+            total = dict(own)
+            for figs in self.others.values():
+                add(total, figs)
+            return total
         self.others = {field: figs for field, figs in every.items() if field != self.id}
         total: Figures = {}
         for figs in every.values():

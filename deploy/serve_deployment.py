@@ -283,5 +283,6 @@ class FolioFrontend:
         return get_swagger_ui_html(openapi_url="/openapi.json", title="Folio")
 
 
-def build_app(cfg: FrontendConfig):
-    return FolioFrontend.bind(cfg)
+def build_app(cfg: FrontendConfig, replicas: int = 1):
+    """`replicas` frontends share the HTTP, gRPC and metrics ports (SO_REUSEPORT) and their metrics."""
+    return FolioFrontend.options(num_replicas=replicas).bind(cfg)

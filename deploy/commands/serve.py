@@ -50,6 +50,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=0, help="a separate Prometheus port (0: only /metrics)")
     p.add_argument("--api-key", default=os.environ.get("FOLIO_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $FOLIO_API_KEY)")
+    p.add_argument("--frontend-replicas", type=_at_least_one, default=1,
+                   help="frontend replicas (tokenizing, detokenizing, the APIs), sharing the HTTP, gRPC and "
+                        "metrics ports and their metrics; as vLLM's --api-server-count")
     p.add_argument("--max-num-requests", type=int, default=256,
                    help="requests in flight per frontend replica; more get 429 / RESOURCE_EXHAUSTED")
     p.add_argument("--served-model-name", nargs="+", default=None,
@@ -256,7 +259,7 @@ def start_frontends(args, cluster) -> str:
         ray_serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.serve_proxy_port})
     else:
         ray_serve.start(proxy_location="Disabled")
-    ray_serve.run(build_app(frontend_config(args, cluster)), name="folio", route_prefix="/")
+    ray_serve.run(build_app(frontend_config(args, cluster), args.frontend_replicas), name="folio", route_prefix="/")
     parts = []
     if args.http_port:
         parts.append(f"http://{args.host}:{args.http_port}")

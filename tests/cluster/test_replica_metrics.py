@@ -84,15 +84,24 @@ def test_every_replica_answers_the_sum_of_all(redis_server):
 
 
 def test_redis_away_keeps_the_last_figures(redis_server):
+    """Its own live figures and every other replica's last read, summed (the others' values
+    overwrote one another: 2 of 3 replicas' counts went missing, an attack, 2026-12-07)."""
     with EmbeddedRedis() as own_redis:
-        a, b = replicas(own_redis.url, 2)
+        a, b, c = replicas(own_redis.url, 3)
         b.requests.labels(finish_reason="stop").inc(4)
         b.replicas.publish()
+        c.requests.labels(finish_reason="stop").inc(7)
+        c.e2e.observe(0.5)
+        c.replicas.publish()
         a.requests.labels(finish_reason="stop").inc()
-        assert requests(scraped(a)) == 5
+        a.e2e.observe(0.5)
+        before = scraped(a)
+        assert requests(before) == 12
         own_redis.stop()
         a.requests.labels(finish_reason="stop").inc()
-        assert requests(scraped(a)) == 6  # its own live figures and b's last read
+        during = scraped(a)
+        assert requests(during) == 13
+        assert all(during.get(k, 0) >= v for k, v in before.items())  # no total went down
 
 
 def test_a_field_that_is_not_a_replicas_figures_counts_as_none(redis_server):

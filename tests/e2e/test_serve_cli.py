@@ -81,19 +81,15 @@ def http_up(port: int) -> bool:
 
 
 @contextlib.contextmanager
-def serve_in_its_own_group(model_dir: str, namespace: str, **env_extra: str):
-    """`folio serve` (one worker, the HTTP API on a free port) in a process group of its own:
-    yields (proc, port); afterwards the group is killed whatever happened (never procps'
+def serve_in_its_own_group(model_dir: str, namespace: str, args: tuple = (), **env_extra: str):
+    """`folio serve` (one worker, the HTTP API on a free port, and `args`) in a process group of
+    its own: yields (proc, port); afterwards the group is killed whatever happened (never procps'
     `kill -9 -PGID`: procps-ng 4.0.2 sends that to pid -1, every process)."""
-    import socket
-
-    with socket.socket() as s:  # a port: the frontends (and Serve) run only with one
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # the frontends (and Serve) run only with one
     env = dict(os.environ, RAY_AUTH_MODE="disabled", **env_extra)
     proc = subprocess.Popen(folio("serve", "--model", model_dir, "--num-workers", "1", "--block-size", "8",
                                   "--num-kv-blocks", "32", "--grace-period-s", "1", "--http-port", str(port),
-                                  "--grpc-port", "0", "--host", "127.0.0.1", "--namespace", namespace),
+                                  "--grpc-port", "0", "--host", "127.0.0.1", "--namespace", namespace, *args),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     try:
@@ -103,6 +99,14 @@ def serve_in_its_own_group(model_dir: str, namespace: str, **env_extra: str):
             proc.kill()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def read_until_ready(proc) -> list[str]:
@@ -191,6 +195,68 @@ def test_a_frozen_coordinator_and_a_frozen_frontend_replica_are_replaced(model_d
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
         assert_stopped_leaving_nothing(proc, "".join(lines) + out)
+
+
+def test_two_frontend_replicas_share_the_ports_and_their_metrics(model_dirs):
+    """`--frontend-replicas 2` (vLLM's --api-server-count): both replicas serve the HTTP port,
+    every scrape of the shared metrics port counts both replicas' requests, and one replica
+    killed leaves the other serving every new connection while Serve replaces it, with no total
+    going down (its last published figures stay: deploy/replica_metrics.py)."""
+    import json
+    import urllib.request
+
+    metrics = free_port()
+    with serve_in_its_own_group(model_dirs["llama"], "tworeplicas",
+                                ("--frontend-replicas", "2", "--metrics-port", str(metrics))) as (proc, port):
+        lines = read_until_ready(proc)
+        replicas = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                    if "ServeReplica" in " ".join(c.cmdline())]
+        assert len(replicas) == 2
+
+        def complete(i: int) -> int:  # a new connection each: the kernel spreads them over both replicas
+            body = json.dumps({"prompt": f"request {i}", "max_tokens": 2}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status
+
+        def totals() -> list[float]:
+            return [scrape_requests(metrics) for _ in range(8)]
+        assert [complete(i) for i in range(24)] == [200] * 24
+        assert_eventually(lambda: totals() == [24.0] * 8, "every scrape counting 24 requests")
+        replicas[0].kill()
+        t0, seen = time.monotonic(), []
+        assert_eventually(lambda: not replicas[0].is_running() or replicas[0].status() == psutil.STATUS_ZOMBIE,
+                          "the killed replica gone")  # (a connection it had queued is reset with it)
+        assert [complete(i) for i in range(24, 40)] == [200] * 16  # the other replica takes them all
+        while sum(1 for c in psutil.Process(proc.pid).children(recursive=True)
+                  if "ServeReplica" in " ".join(c.cmdline())) < 2:
+            seen += totals()
+            assert time.monotonic() - t0 < 60, "the killed replica was not replaced"
+            time.sleep(0.5)
+        assert_eventually(lambda: totals() == [40.0] * 8, "every scrape counting 40 requests")
+        assert all(b >= a for a, b in zip(seen, seen[1:])) and min(seen, default=24) >= 24, seen
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert_stopped_leaving_nothing(proc, "".join(lines) + out)
+
+
+def scrape_requests(port: int) -> float:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "folio_requests_total")
+
+
+def assert_eventually(pred, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
 
 
 def health(port: int) -> dict:
