@@ -50,3 +50,35 @@ def narrow_replica_grpc_bind() -> bool:
     add_port._folio_narrowed = True
     replica.add_port_to_grpc_server = add_port
     return True
+
+
+def check_ports(host: str, ports: dict[str, int]) -> str | None:
+    """`folio serve`'s ports (flag -> port; 0: off), before anything starts: one given twice, or
+    one that cannot be bound as the frontends bind it (SO_REUSEPORT), is an error at once. Before,
+    a port in use failed the start ~20 s later with "Failed to update the deployments
+    ['FolioFrontend']", naming neither the port nor the cause (2026-12-07)."""
+    from folio.deploy.http_server import reuseport_socket
+
+    flags: dict[int, str] = {}
+    for flag, port in ports.items():
+        if not port:
+            continue
+        if port in flags:
+            return f"{flags[port]} and {flag} are both {port}"
+        flags[port] = flag
+        try:
+            reuseport_socket(host, port).close()
+        except RuntimeError as e:
+            return f"{flag} {port}: cannot bind {host}:{port}: {e.__cause__}"
+    return None
+
+
+def deploy_failure(serve, app: str = "folio", deployment: str = "FolioFrontend") -> str:
+    """The last line of a failed deployment's message: the replicas' own error (Serve's deploy
+    error names none), or "" when Serve has none."""
+    try:
+        message = serve.status().applications[app].deployments[deployment].message
+    except Exception:  # no status to read: the deploy error alone
+        return ""
+    lines = [line.strip() for line in (message or "").splitlines() if line.strip()]
+    return lines[-1] if lines else ""

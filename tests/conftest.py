@@ -240,29 +240,46 @@ def redis_url_of(ready_line: str) -> str:
         return f.read().strip()
 
 
-@contextlib.contextmanager
-def folio_serve(model: str, *args: str, ready_timeout_s: float = 240):
-    """`folio serve --model MODEL ARGS` as a subprocess on free loopback ports, until ready;
-    yields its addresses; SIGTERM at the end, which must exit 0."""
-    import signal
+def _serve_until_ready(model: str, args: tuple, ready_timeout_s: float):
+    """`folio serve` on free loopback ports until ready: (proc, ports, output lines); None if one
+    of its ports was taken between the pick and the bind (it says "cannot bind": a race with
+    every other process on the machine, one CI run in many)."""
     import subprocess
     import sys
     import time
 
-    http, grpc_port, metrics_port = _free_port(), _free_port(), _free_port()
+    ports = _free_port(), _free_port(), _free_port()
     cmd = [sys.executable, "-m", "folio.deploy.cli", "serve", "--model", model, "--host", "127.0.0.1",
-           "--http-port", str(http), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), *args]
+           "--http-port", str(ports[0]), "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, RAY_AUTH_MODE="disabled"))
     lines = []
     deadline = time.monotonic() + ready_timeout_s
     try:
         while not any("folio serve: ready" in line for line in lines):
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
             lines.append(proc.stdout.readline())
+            if proc.poll() is not None and not lines[-1]:
+                assert any(m in "".join(lines) for m in ("cannot bind", "Address already in use")), "".join(lines)
+                return None
+            assert time.monotonic() < deadline, "".join(lines)
     except BaseException:
         proc.kill()
         raise
+    return proc, ports, lines
+
+
+@contextlib.contextmanager
+def folio_serve(model: str, *args: str, ready_timeout_s: float = 240):
+    """`folio serve --model MODEL ARGS` as a subprocess on free loopback ports, until ready;
+    yields its addresses; SIGTERM at the end, which must exit 0."""
+    import signal
+
+    for _ in range(3):
+        started = _serve_until_ready(model, args, ready_timeout_s)
+        if started is not None:
+            break
+    assert started is not None, "three starts found a port taken"
+    proc, (http, grpc_port, metrics_port), lines = started
     yield {"http": f"http://127.0.0.1:{http}", "grpc": f"127.0.0.1:{grpc_port}", "redis": redis_url_of(lines[-1]),
            "model": model, "metrics": f"http://127.0.0.1:{metrics_port}", "pid": proc.pid, "ready": lines[-1]}
     proc.send_signal(signal.SIGTERM)

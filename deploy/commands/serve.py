@@ -159,10 +159,16 @@ def main(args) -> int:
     from folio.cluster.launcher import FolioCluster
     from folio.worker.errors import FolioError
 
+    from folio.deploy.serve_binds import check_ports
+
     try:
         cluster = FolioCluster(cluster_config(args))
     except FolioError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    ports = {"--http-port": args.http_port, "--grpc-port": args.grpc_port, "--metrics-port": args.metrics_port}
+    if args.address is None and (taken := check_ports(args.host, ports)):  # (joined: they bind on the head)
+        print(f"error: {taken}", file=sys.stderr)
         return 2
     t0 = time.monotonic()
     stage = "the cluster did not start"
@@ -259,7 +265,13 @@ def start_frontends(args, cluster) -> str:
         ray_serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.serve_proxy_port})
     else:
         ray_serve.start(proxy_location="Disabled")
-    ray_serve.run(build_app(frontend_config(args, cluster), args.frontend_replicas), name="folio", route_prefix="/")
+    try:
+        ray_serve.run(build_app(frontend_config(args, cluster), args.frontend_replicas), name="folio",
+                      route_prefix="/")
+    except Exception as e:  # a port taken since the check, say: the replicas' own error with Serve's
+        from folio.deploy.serve_binds import deploy_failure
+
+        raise RuntimeError(" ".join(filter(None, (str(e), deploy_failure(ray_serve))))) from e
     parts = []
     if args.http_port:
         parts.append(f"http://{args.host}:{args.http_port}")

@@ -59,6 +59,25 @@ def test_serve_rejects_bad_arguments_clearly(model_dirs, args, message):
     assert r.returncode == 2 and message in r.stderr
 
 
+def test_serve_names_a_port_in_use_before_starting_anything(model_dirs):
+    """A port another process holds: exit 2 at once, naming the flag and the cause, with no Ray
+    started (it took ~23 s, Ray and the workers up and down, to print Serve's "Failed to update
+    the deployments ['FolioFrontend']", 2026-12-07)."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        t0 = time.monotonic()
+        r = subprocess.run(folio("serve", "--model", model_dirs["llama"], "--host", "127.0.0.1", "--http-port",
+                                 str(free_port()), "--grpc-port", str(port)), capture_output=True, text=True,
+                           timeout=120, env=dict(os.environ, RAY_AUTH_MODE="disabled"))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"--grpc-port {port}: cannot bind 127.0.0.1:{port}: [Errno 98] Address already in use" in r.stderr
+    assert "Ray" not in r.stdout + r.stderr and time.monotonic() - t0 < 60
+
+
 def test_serve_rejects_a_missing_model():
     r = subprocess.run(folio("serve", "--model", "/nonexistent/model"), capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "does not exist" in r.stderr
