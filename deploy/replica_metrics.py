@@ -123,11 +123,9 @@ class ReplicaMetrics:
             every = self._read()
         except (redis.RedisError, OSError) as e:
             log.debug("other replicas' metrics unavailable: %s", e)
-            total = dict(own)
-            for figs in self.others.values():
-                add(total, figs)
-            return total
-        self.others = {field: figs for field, figs in every.items() if field != self.id}
+            every = {**self.others, self.id: own}
+        else:
+            self.others = {field: figs for field, figs in every.items() if field != self.id}
         total: Figures = {}
         for figs in every.values():
             add(total, figs)
