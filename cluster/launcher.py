@@ -34,6 +34,10 @@ os.environ.setdefault("RAY_timeout_ms_task_wait_for_death_info", "0")
 # coordinator) gets SIGKILL after this; Ray's default, 5 s, was 5 s of each such recovery (5.0 s against 1.0 s
 # measured, 2026-12-07). A live actor that ray.kill reaches exits at once either way.
 os.environ.setdefault("RAY_kill_worker_timeout_milliseconds", "1000")
+# A frontend replica that fails its health checks (stopped, hung) is killed at once: by default Serve stopped it
+# "gracefully", leaving its sockets on the shared ports for the grace period, now a drain of 30 s for the healthy
+# replicas it stops (deploy/replica_drain.py). Read by Serve's controller, which inherits it as the GCS does.
+os.environ.setdefault("RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS", "1")
 DRAIN_MARGIN_S = 2.0  # past the grace period, how long a drain waits for the workers to answer
 # Serve's controller reconciles every 0.1 s by default: the largest idle consumer of an idle
 # `folio serve` (3.3 % of a core on a 2-core EPYC, 2026-12-02); at 0.5 s it took 1.1 %, and the

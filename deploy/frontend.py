@@ -57,6 +57,7 @@ class FrontendConfig:
     host: str = "0.0.0.0"  # what the gRPC and metrics ports bind (`folio serve --host`)
     max_body_bytes: int = MAX_BODY_BYTES  # an HTTP body above it gets 413
     stream_interval: int = 1  # tokens per streamed chunk (vLLM's --stream-interval; a request may ask more)
+    drain_s: float = 30.0  # a replica that Serve stops lets its requests finish this long (replica_drain.py)
 
     @property
     def model_name(self) -> str:

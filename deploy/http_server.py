@@ -90,11 +90,18 @@ class HTTPServer:
             return RuntimeError("the HTTP server was cancelled")
         return self.task.exception() or RuntimeError("the HTTP server stopped")
 
-    async def stop(self) -> None:
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """Stop listening at once; requests in flight finish within `grace_s` (uvicorn's graceful
+        shutdown: idle keep-alive connections close now, the others after their response), then
+        the rest are cancelled."""
         self.server.should_exit = True
+        self.server.config.timeout_graceful_shutdown = grace_s
+        if self.task is not None and not self.server.started:  # still waiting to serve: nothing in flight
+            self.task.cancel()
         if self.task is not None:
             try:
-                await asyncio.wait_for(self.task, 10)
+                await asyncio.wait_for(asyncio.shield(self.task), grace_s + 1)
             except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
+                self.server.force_exit = True
                 self.task.cancel()
         self.sock.close()

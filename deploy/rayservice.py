@@ -26,6 +26,7 @@ def parse_argv(argv: list[str]):
 def build(args: dict):
     from folio.cluster.launcher import FolioCluster
     from folio.deploy.commands.serve import cluster_config, frontend_config
+    from folio.deploy.replica_drain import serve_options
     from folio.deploy.serve_deployment import FolioFrontend
 
     ns = parse_argv(list(args["argv"]))
@@ -34,6 +35,7 @@ def build(args: dict):
     config = cluster_config(ns)
     config.detached = True
     cluster = FolioCluster(config).start()
+    cfg = frontend_config(ns, cluster)
     return FolioFrontend.options(num_replicas=int(args.get("frontend_replicas", ns.frontend_replicas)),
-                                 ray_actor_options={"num_cpus": 0.1, "resources": {"folio-frontend": 1}}
-                                 ).bind(frontend_config(ns, cluster))
+                                 ray_actor_options={"num_cpus": 0.1, "resources": {"folio-frontend": 1}},
+                                 **serve_options(cfg.drain_s)).bind(cfg)

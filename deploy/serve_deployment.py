@@ -35,6 +35,7 @@ from folio.deploy import openai_http as oai
 from folio.deploy import http_deadlines, openai_run, openai_tokens
 from folio.deploy.frontend import Frontend, FrontendConfig
 from folio.deploy.openai_errors import http_error
+from folio.deploy.replica_drain import DRAIN_S, drain, serve_options
 from folio.deploy.serve_binds import narrow_replica_grpc_bind
 
 narrow_replica_grpc_bind()  # Serve's inter-deployment gRPC port: loopback when the node is (serve_binds.py)
@@ -133,12 +134,10 @@ class ClientGone(oai.HTTPError):
 
 # A replica whose process stops (SIGSTOP, a hang that holds the GIL) keeps its listening sockets:
 # every HTTP and gRPC client of it waited. Serve's defaults (a check every 10 s, failed after 30 s,
-# 3 failures in a row, then 20 s of graceful shutdown) left it so for over 60 s (2026-12-07): now
-# a check every 2 s, failed after 5, and 1 s of grace. The grace is what a stopped replica keeps its
-# port after its successor serves (SO_REUSEPORT: 5 s of grace lost ~1 new connection in 2 for 6 s),
-# and it buys nothing here: the replica has no requests of Serve's own to wait for (its clients are
-# on its own servers, and `folio serve` drains the workers itself).
-HEALTH = dict(health_check_period_s=2, health_check_timeout_s=5, graceful_shutdown_timeout_s=1)
+# 3 failures in a row) left it so for over 60 s (2026-12-07): now a check every 2 s, failed after 5,
+# and a replica that fails is killed at once (RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS: launcher.py),
+# not stopped gracefully. A healthy replica that Serve stops drains first (replica_drain.py).
+HEALTH = dict(health_check_period_s=2, health_check_timeout_s=5, **serve_options(DRAIN_S))
 
 
 @serve.deployment(name="FolioFrontend", ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=100_000,
@@ -170,6 +169,10 @@ class FolioFrontend:
 
             self.metrics_server = start_metrics_server(self.frontend.metrics.registry, cfg.metrics_port, cfg.host,
                                                        cfg.api_key)
+
+    async def __del__(self) -> None:
+        """Serve stops this replica (a redeploy, fewer replicas): its requests finish first."""
+        await drain(self, self.frontend.cfg.drain_s)
 
     async def _start_grpc(self, port: int) -> None:
         from folio.deploy.grpc_server import start_grpc_server
@@ -285,4 +288,4 @@ class FolioFrontend:
 
 def build_app(cfg: FrontendConfig, replicas: int = 1):
     """`replicas` frontends share the HTTP, gRPC and metrics ports (SO_REUSEPORT) and their metrics."""
-    return FolioFrontend.options(num_replicas=replicas).bind(cfg)
+    return FolioFrontend.options(num_replicas=replicas, **serve_options(cfg.drain_s)).bind(cfg)

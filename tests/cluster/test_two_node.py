@@ -32,6 +32,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -63,6 +64,7 @@ from conftest import PROMPTS, process_running, ray_step_delay, redis_url_of, wai
 BIN = os.path.dirname(sys.executable)
 ENV = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0",
            RAY_timeout_ms_task_wait_for_death_info="0", RAY_kill_worker_timeout_milliseconds="1000",
+           RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS="1",  # the chart's env, as the two above
            FOLIO_WORKER_FROZEN_S="3")  # the frozen watches' bound (liveness.py; 20 s by default)
 FRONTEND_RESOURCES = {"folio-frontend": 1000}  # what the chart's head advertises
 HEAD_TAG, NODE2_TAG = "two-node-head", "two-node-node2"  # custom resources: pin a GPU hold to a node
@@ -205,7 +207,8 @@ def two_nodes():
         start_until(lambda: start_node(False, gcs, dashboard, 2, {NODE2_TAG: 1}, dirs[1]),
                     lambda: sum(n["Alive"] for n in ray.nodes()) == 2,
                     os.path.join(dirs[1], "ray-start.log"), procs, "node2")
-        yield {"address": f"127.0.0.1:{gcs}", "dashboard": dash, "head": node_of(HEAD_TAG), "node2": node_of(NODE2_TAG)}
+        yield {"address": f"127.0.0.1:{gcs}", "dashboard": dash, "head": node_of(HEAD_TAG), "node2": node_of(NODE2_TAG),
+               "serve_logs": os.path.join(dirs[0], "session_latest", "logs", "serve")}
     finally:
         with contextlib.suppress(Exception):
             ray.shutdown()
@@ -479,6 +482,71 @@ def stop_the_coordinator_once(cluster, ns: str, http: int) -> None:
             os.kill(pid, signal.SIGCONT)
 
 
+def replica_logs(cluster) -> dict[str, str]:
+    """The head's frontend replica logs: replica id -> text."""
+    import glob
+
+    out = {}
+    for path in glob.glob(os.path.join(cluster["serve_logs"], "replica_folio_FolioFrontend_*.log")):
+        with open(path, errors="replace") as f:
+            out[path.rsplit("_", 1)[-1][:-4]] = f.read()
+    return out
+
+
+def roll_the_frontends_with_streams_in_flight(cluster, config: dict, path, ns: str, http: int, grpc_port: int,
+                                              metrics: int, model: str) -> None:
+    """A Helm upgrade that changes the application's arguments (here --max-num-requests):
+    Serve replaces both frontend replicas, the new ones first (max_surge_percent), then stops the
+    old ones. Streams in flight on them, HTTP and gRPC, end whole: each old replica drains them
+    before it goes (deploy/replica_drain.py; it was killed 1 s after its stop, cutting them), and
+    every scrape counts their requests once they are gone. The workers step once a second until
+    both old replicas drain, so the streams are in flight then on any machine."""
+    yaml = pytest.importorskip("yaml")
+    old = set(replica_logs(cluster))
+    assert len(old) == 2
+    counted = 4 * len(PROMPTS)  # check_apis twice: each request over HTTP and over gRPC
+    prompts, n = PROMPTS[:4], 40
+    want = LLM(model, **CHART_ENGINE).generate(prompts + PROMPTS[4:6], SamplingParams(max_tokens=n, temperature=0.0))
+    workers = [ray.get_actor(actor_name(ns, w), namespace=ns) for w in ("w0", "w1")]
+    for w in workers:
+        ray_step_delay(w, 1.0)
+    ex = concurrent.futures.ThreadPoolExecutor(3)
+    try:
+        streams = [ex.submit(http_streams, f"http://127.0.0.1:{http}", os.path.basename(model), prompts, n)]
+        streams += [ex.submit(grpc_streams, f"127.0.0.1:{grpc_port}", [p], n) for p in PROMPTS[4:6]]  # 2 channels
+        wait_for(lambda: sum(s["num_streams"] for s in worker_stats(ns).values()) == 6, 60, "6 streams running")
+        argv = config["applications"][0]["args"]["argv"]
+        argv[argv.index("--max-num-requests") + 1] = str(int(argv[argv.index("--max-num-requests") + 1]) - 1)
+        path.write_text(yaml.safe_dump(config))
+        serve_cli(cluster, "deploy", str(path))
+
+        def draining() -> bool:
+            ended = [s.exception() or s.result() for s in streams if s.done()]
+            assert not ended, f"streams ended before both old replicas began to drain: {ended}"
+            return all("folio: draining" in text for rid, text in replica_logs(cluster).items() if rid in old)
+        wait_for(draining, 240, "both old replicas draining")
+    finally:
+        for w in workers:
+            ray_step_delay(w, 0)
+    assert streams[0].result(120) == [(w.text, w.finish_reason) for w in want[:4]]  # whole: nothing cut
+    assert [s.result(120)[0] for s in streams[1:]] == [w.token_ids for w in want[4:]]
+    ex.shutdown()
+    wait_for(lambda: app_status(cluster) == "RUNNING" and len(frontend_nodes(cluster)) == 2 and all(
+        "folio: drained" in text for rid, text in replica_logs(cluster).items() if rid in old), 120,
+        "the new replicas running, the old ones drained")
+    drained = [re.search(r"folio: drained: (\d+) requests in flight at the start, (\d+) left", text).groups()
+               for rid, text in replica_logs(cluster).items() if rid in old]
+    # every stream was on an old replica and ended there: 6 at the drains' start, none cut
+    assert sum(int(n) for n, _ in drained) == 6 and all(left == "0" for _, left in drained), drained
+    assert frontend_nodes(cluster) == [cluster["head"]] * 2
+    seen: list[set] = []
+    try:
+        wait_for(lambda: seen.append({requests_counted(metrics) for _ in range(8)}) or seen[-1] == {counted + 6},
+                 20, "every scrape counting the drained requests")
+    except AssertionError as e:
+        raise AssertionError(f"{e}: {counted} + 6 wanted, the last scrapes read {seen[-3:]}") from None
+
+
 def test_helm_chart_serve_config_deploys_with_serve_deploy(two_nodes, model_dirs, tmp_path):
     from folio.cluster.redis_server import EmbeddedRedis
 
@@ -504,6 +572,8 @@ def test_helm_chart_serve_config_deploys_with_serve_deploy(two_nodes, model_dirs
             wait_for(lambda: {requests_counted(metrics) for _ in range(8)} == {2 * len(PROMPTS)}, 20,
                      "every scrape of the metrics port counting the requests of both replicas")
             stop_the_coordinator_once(two_nodes, ns, http)
+            check_apis(f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc_port}", model, CHART_ENGINE)
+            roll_the_frontends_with_streams_in_flight(two_nodes, config, path, ns, http, grpc_port, metrics, model)
             check_apis(f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc_port}", model, CHART_ENGINE)
         finally:
             serve_cli(two_nodes, "shutdown", "-y")

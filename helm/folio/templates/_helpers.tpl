@@ -142,6 +142,9 @@ initContainers:
 # a stopped process that Folio kills (a frozen worker or coordinator) gets SIGKILL after 1 s, not 5
 - name: RAY_kill_worker_timeout_milliseconds
   value: "1000"
+# a frontend replica failing its health checks is killed at once, not drained for the grace period
+- name: RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS
+  value: "1"
 {{- if .Values.apiKey.enabled }}
 - name: FOLIO_API_KEY
   valueFrom:

@@ -1,0 +1,69 @@
+"""A frontend replica that Serve stops finishes what it serves first.
+
+Serve stops a healthy replica when the application is redeployed (a Helm upgrade that
+changes serveConfigV2: every replica is replaced) or scaled down. Its clients are on the
+replica's own HTTP and gRPC servers (http_server.py), which Serve does not see, so Serve's
+graceful shutdown found nothing of its own to wait for and killed the replica after its grace
+period: every stream on it was cut mid-answer, and the counts of its last second were lost.
+
+Serve calls the deployment's `__del__` before that kill; there the replica
+1. stops listening (HTTP and gRPC): new connections go to the other replicas on the port;
+2. lets every request in flight finish, within `drain_s` (`folio serve --grace-period-s`,
+   the chart's `serve.gracePeriodSeconds`), as uvicorn and gRPC's own graceful stops do:
+   idle keep-alive connections close at once, a stream's connection after its last event;
+3. publishes its metrics a last time (replica_metrics.py), the drained requests included.
+
+Serve's deadline for all of it (`graceful_shutdown_timeout_s`) is drain_s + MARGIN_S. A
+replica replaced in a rollout is stopped only once its successor runs (`max_surge_percent`),
+so the port always has a listener. A frozen replica is no case for a drain: it fails its
+health checks and Serve kills it at once (RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS, set by
+cluster/launcher.py and the chart), rather than leaving it on the port for the grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+DRAIN_S = 30.0
+MARGIN_S = 3.0  # Serve's own steps before `__del__` (a 0.2 s wait loop, its quiesce) and the last publish
+log = logging.getLogger("ray.serve")  # the replica's log file (Serve's logger is the one that writes there)
+
+
+def serve_options(drain_s: float) -> dict:
+    """The deployment options of a replica that drains for `drain_s`."""
+    return dict(graceful_shutdown_timeout_s=drain_s + MARGIN_S, graceful_shutdown_wait_loop_s=0.2,
+                max_surge_percent=100)
+
+
+async def drain(replica, drain_s: float) -> dict:
+    """Stop `replica` (a FolioFrontend) taking work, wait up to `drain_s` for its requests, then
+    publish its figures a last time; returns what it logs."""
+    t0, frontend = time.monotonic(), replica.frontend
+    before = frontend.in_flight
+    log.info("folio: draining this frontend replica: %d requests in flight (up to %.0f s)", before, drain_s)
+    replica._watch_task.cancel()  # a replica on its way out restarts no coordinator
+    stops = []
+    if replica.http is not None:
+        stops.append(replica.http.stop(drain_s))
+    grpc_task = getattr(replica, "_grpc_task", None)
+    if grpc_task is not None:
+        stops.append(_stop_grpc(replica, grpc_task, drain_s))
+    await asyncio.gather(*stops, return_exceptions=True)
+    replica._metrics_stop.set()
+    try:
+        await asyncio.to_thread(frontend.metrics.replicas.publish)
+    except Exception as e:  # Redis away: its last second's counts go with it
+        log.warning("folio: the replica's last metrics were not published: %s", e)
+    done = dict(requests=before, left=frontend.in_flight, seconds=round(time.monotonic() - t0, 3))
+    log.info("folio: drained: %(requests)d requests in flight at the start, %(left)d left, in %(seconds).3f s", done)
+    return done
+
+
+async def _stop_grpc(replica, task: asyncio.Task, drain_s: float) -> None:
+    if not task.done():  # still starting: it has served nothing
+        task.cancel()
+        return
+    if replica.grpc is not None:
+        await replica.grpc.stop(drain_s)  # refuses new calls at once, cancels those left at the end
