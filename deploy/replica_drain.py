@@ -43,15 +43,15 @@ async def drain(replica, drain_s: float) -> dict:
     t0, frontend = time.monotonic(), replica.frontend
     before = frontend.in_flight
     log.info("folio: draining this frontend replica: %d requests in flight (up to %.0f s)", before, drain_s)
-    replica._watch_task.cancel()  # a replica on its way out restarts no coordinator
+    replica.watch_task.cancel()  # a replica on its way out restarts no coordinator
     stops = []
     if replica.http is not None:
         stops.append(replica.http.stop(drain_s))
-    grpc_task = getattr(replica, "_grpc_task", None)
+    grpc_task = getattr(replica, "grpc_task", None)
     if grpc_task is not None:
         stops.append(_stop_grpc(replica, grpc_task, drain_s))
     await asyncio.gather(*stops, return_exceptions=True)
-    replica._metrics_stop.set()
+    replica.metrics_stop.set()
     try:
         await asyncio.to_thread(frontend.metrics.replicas.publish)
     except Exception as e:  # Redis away: its last second's counts go with it

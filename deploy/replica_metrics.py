@@ -20,7 +20,9 @@ last published figures and the retired sum. So every replica answers the same su
 never goes down from one scrape to the next, whichever replicas they reach, nor when a replica
 goes:
 - a replica silent for RETIRE_S is folded into "retired", in one WATCH transaction;
-- a replica once folded can publish no more (a Lua check), so it is never counted twice.
+- a replica once folded can publish no more (a Lua check), so it is never counted twice;
+- a replica that Serve stops publishes a last time once its requests are drained
+  (replica_drain.py); one killed loses what it counted since its last publish (<= PUBLISH_S).
 
 While Redis is away, each replica answers its own figures and the others' as it last read them
 (folio_cluster_state_up is 0 meanwhile): such totals can differ from replica to replica, lower

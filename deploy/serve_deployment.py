@@ -150,18 +150,18 @@ class FolioFrontend:
         self.frontend = Frontend(cfg)
         # a stopped coordinator is restarted by one of the frontends (liveness.py); the router's Redis client
         self.coordinator_watch = CoordinatorWatch(self.frontend.router.state, cfg.namespace)
-        self._watch_task = asyncio.get_running_loop().create_task(self.coordinator_watch.run())
+        self.watch_task = asyncio.get_running_loop().create_task(self.coordinator_watch.run())
         self.grpc = None
         if cfg.grpc_port:
-            self._grpc_task = asyncio.get_running_loop().create_task(self._start_grpc(cfg.grpc_port))
+            self.grpc_task = asyncio.get_running_loop().create_task(self._start_grpc(cfg.grpc_port))
         self.http = None
         if cfg.http_port:  # the API on this replica's own server: no Ray hop per chunk (http_server.py)
             from folio.deploy.http_server import HTTPServer
 
             self.http = HTTPServer(api, cfg.host, cfg.http_port, max_body_bytes=cfg.max_body_bytes).start(
                 ready=lambda: serve.get_replica_context().servable_object is not None)
-        self._metrics_stop = threading.Event()  # this replica's figures, for the others' scrapes
-        threading.Thread(target=self.frontend.metrics.replicas.run, args=(self._metrics_stop,), daemon=True,
+        self.metrics_stop = threading.Event()  # this replica's figures, for the others' scrapes
+        threading.Thread(target=self.frontend.metrics.replicas.run, args=(self.metrics_stop,), daemon=True,
                          name="folio-replica-metrics").start()
         self.metrics_server = None
         if cfg.metrics_port:
@@ -181,8 +181,8 @@ class FolioFrontend:
 
     async def check_health(self) -> None:
         """Serve's replica health check: the gRPC server must be up when one was asked for."""
-        if self.frontend.cfg.grpc_port and self._grpc_task.done() and self._grpc_task.exception():
-            raise self._grpc_task.exception()
+        if self.frontend.cfg.grpc_port and self.grpc_task.done() and self.grpc_task.exception():
+            raise self.grpc_task.exception()
         if self.http is not None and self.http.failed is not None:
             raise self.http.failed
 

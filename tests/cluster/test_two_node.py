@@ -493,6 +493,12 @@ def replica_logs(cluster) -> dict[str, str]:
     return out
 
 
+def live_replicas(cluster) -> set[str]:
+    """The ids of the live FolioFrontend replicas (Serve's actor names end "#<replica id>")."""
+    return {name.rsplit("#", 1)[-1] for name, (cls, _) in actors(cluster, "serve").items()
+            if cls.endswith(":FolioFrontend")}
+
+
 def roll_the_frontends_with_streams_in_flight(cluster, config: dict, path, ns: str, http: int, grpc_port: int,
                                               metrics: int, model: str) -> None:
     """A Helm upgrade that changes the application's arguments (here --max-num-requests):
@@ -502,8 +508,8 @@ def roll_the_frontends_with_streams_in_flight(cluster, config: dict, path, ns: s
     every scrape counts their requests once they are gone. The workers step once a second until
     both old replicas drain, so the streams are in flight then on any machine."""
     yaml = pytest.importorskip("yaml")
-    old = set(replica_logs(cluster))
-    assert len(old) == 2
+    old = live_replicas(cluster)  # (the module's first test left the log of its own replica)
+    assert len(old) == 2 and old <= set(replica_logs(cluster))
     counted = 4 * len(PROMPTS)  # check_apis twice: each request over HTTP and over gRPC
     prompts, n = PROMPTS[:4], 40
     want = LLM(model, **CHART_ENGINE).generate(prompts + PROMPTS[4:6], SamplingParams(max_tokens=n, temperature=0.0))
