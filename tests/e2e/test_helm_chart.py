@@ -31,6 +31,7 @@ OVERRIDES = {
                  "serve": {"dtype": "float32", "kvCacheLayout": "layer_major"}},
     "download-model": {"model": {"source": "download", "download": {"command": ["sh", "-c", "fetch-model"]}}},
     "hostpath-model": {"model": {"source": "hostPath", "hostPath": {"path": "/mnt/models/llama"}}},
+    "migrate-queued-connections": {"serve": {"migrateQueuedConnections": True, "frontendReplicas": 2}},
 }
 
 
@@ -167,6 +168,18 @@ def test_gpu_requests_auth_and_termination(chart):
     assert not any(d["kind"] == "StatefulSet" for d in render(chart, OVERRIDES["external-redis"]))
 
 
+def test_queued_connections_migrate_on_the_head_alone_when_asked(chart):
+    """serve.migrateQueuedConnections: the sysctl on the head's pod (the frontends' node), not on
+    the workers' (whose kubelets then need not allow it); nowhere by default."""
+    def sysctls(values):
+        spec = serve_config(render(chart, values))[0]["spec"]["rayClusterConfig"]
+        return [spec["headGroupSpec"]["template"]["spec"]["securityContext"].get("sysctls"),
+                spec["workerGroupSpecs"][0]["template"]["spec"]["securityContext"].get("sysctls")]
+    assert sysctls(OVERRIDES["migrate-queued-connections"]) == [[{"name": "net.ipv4.tcp_migrate_req", "value": "1"}],
+                                                                None]
+    assert sysctls(OVERRIDES["default"]) == [None, None]
+
+
 @pytest.mark.parametrize("values, message", [
     ({"workers": {"replicas": -1}}, "replicas"),
     ({"workers": {"replicas": 0}}, "replicas"),
@@ -180,6 +193,7 @@ def test_gpu_requests_auth_and_termination(chart):
     ({"serve": {"router": "random"}}, "router"),
     ({"serve": {"grpcPort": 70000}}, "grpcPort"),
     ({"serve": {"kvCacheLayout": "heads_major"}}, "kvCacheLayout"),
+    ({"serve": {"migrateQueuedConnections": "yes"}}, "migrateQueuedConnections"),
 ])
 def test_bad_values_fail_the_schema_with_a_clear_message(chart, values, message):
     with pytest.raises(helm.HelmValuesError) as e:

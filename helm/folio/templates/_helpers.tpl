@@ -161,13 +161,21 @@ initContainers:
 {{- end }}
 {{- end -}}
 
+{{- /* a pod's security and termination; (dict "root" $ "head" true) on the head, which runs the frontends */ -}}
 {{- define "folio.podSecurity" -}}
+{{- $v := .root.Values -}}
 securityContext:
   runAsNonRoot: true
   runAsUser: 1000
   fsGroup: 1000
-terminationGracePeriodSeconds: {{ add .Values.serve.gracePeriodSeconds 15 }}
-{{- with .Values.imagePullSecrets }}
+  {{- if and .head $v.serve.migrateQueuedConnections }}
+  # a connection queued on a frontend replica that dies moves to another replica's socket
+  # instead of being reset (an unsafe sysctl: the node's kubelet must allow it)
+  sysctls:
+    - {name: net.ipv4.tcp_migrate_req, value: "1"}
+  {{- end }}
+terminationGracePeriodSeconds: {{ add $v.serve.gracePeriodSeconds 15 }}
+{{- with $v.imagePullSecrets }}
 imagePullSecrets: {{ toJson . }}
 {{- end }}
 {{- end -}}
