@@ -38,8 +38,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--worker-num-cpus", type=float, default=0.5)
     p.add_argument("--torch-threads", type=int, default=None,
                    help="CPU threads per worker's forward (default: the cores / --num-workers)")
-    p.add_argument("--grace-period-s", type=float, default=30.0, help="drain time on SIGINT/SIGTERM, and of a frontend replica that Serve "
-                   "stops (a redeploy, fewer replicas)")
+    p.add_argument("--grace-period-s", type=float, default=30.0,
+                   help="drain time on SIGINT/SIGTERM, and of a frontend replica that Serve stops (a redeploy, "
+                        "fewer replicas)")
     p.add_argument("--host", default="127.0.0.1",
                    help="the address everything started here listens on: HTTP, gRPC, metrics and a Ray started "
                         "here (loopback by default; 0.0.0.0 for every interface, as in the Helm chart)")
