@@ -67,9 +67,8 @@ MAX_HEAD_BYTES = 64 << 10
 CLIENT_LOST = "folio.client_lost"  # a scope's list of callables: run when its connection is lost mid-response
 
 
-def _closing_answer(status: bytes, message: bytes, code: bytes) -> bytes:
-    body = (b'{"error":{"message":"%s","type":"invalid_request_error","param":null,"code":"%s"}}'
-            % (message, code))
+def _closing_answer(status: bytes, message: bytes, code: bytes, kind: bytes = b"invalid_request_error") -> bytes:
+    body = (b'{"error":{"message":"%s","type":"%s","param":null,"code":"%s"}}' % (message, kind, code))
     return (b"HTTP/1.1 %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
             b"content-length: %d\r\n\r\n%s" % (status, len(body), body))
 
@@ -78,6 +77,8 @@ TIMED_OUT_408 = _closing_answer(b"408 Request Timeout", b"the request's headers 
                                 b"request_timeout")
 BODY_TOO_LARGE_413 = _closing_answer(b"413 Content Too Large", b"the request body is over the server's bound",
                                      b"body_too_large")
+SHUTTING_DOWN_503 = _closing_answer(b"503 Service Unavailable", b"this server is shutting down: retry the request",
+                                    b"server_shutting_down", b"service_unavailable")
 HEAD_TOO_LARGE_431 = _closing_answer(b"431 Request Header Fields Too Large",
                                      b"the request line and headers are over %d bytes" % MAX_HEAD_BYTES,
                                      b"request_header_fields_too_large")
@@ -203,6 +204,13 @@ class _Deadlines:
             self.transport.write(answer)
         self.transport.close()
         self._cancel()
+
+    def cut(self) -> None:
+        """The end of a drain (replica_drain.py): a request whose response has not started (its
+        head or body still arriving, or its handler not yet answering) gets a 503 to retry
+        elsewhere, rather than uvicorn's plain-text 500 of a cancelled task; a response under
+        way is cut. Either way the connection closes and its handler sees the disconnect."""
+        self._refuse(SHUTTING_DOWN_503)
 
     def _arm_head(self) -> None:
         self._head_cycle = self.cycle

@@ -90,10 +90,21 @@ class HTTPServer:
             return RuntimeError("the HTTP server was cancelled")
         return self.task.exception() or RuntimeError("the HTTP server stopped")
 
+    def open_connections(self) -> int:
+        return len(self.server.server_state.connections)
+
+    def cut(self) -> None:
+        """Close every connection left: a 503 where no response has started, else cut."""
+        for conn in list(self.server.server_state.connections):
+            if hasattr(conn, "cut"):
+                conn.cut()
+            else:
+                conn.transport.close()
+
     async def stop(self, grace_s: float = 10.0) -> None:
         """Stop listening at once; requests in flight finish within `grace_s` (uvicorn's graceful
         shutdown: idle keep-alive connections close now, the others after their response), then
-        the rest are cancelled."""
+        the rest are cancelled (a drain cuts them first: `cut`)."""
         self.server.should_exit = True
         self.server.config.timeout_graceful_shutdown = grace_s
         if self.task is not None and not self.server.started:  # still waiting to serve: nothing in flight

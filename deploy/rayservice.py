@@ -4,8 +4,13 @@
     applications:
       - name: folio
         import_path: folio.deploy.rayservice:build
-        args: {argv: ["--model", "/models/model", "--num-workers", "4", "--address", "auto", ...],
-               frontend_replicas: 1}
+        args: {argv: ["--model", "/models/model", "--num-workers", "4", "--address", "auto", ...]}
+        deployments: [{name: FolioFrontend, num_replicas: 2}]
+
+The replica count goes in `deployments` (the chart's `serve.frontendReplicas`), where a new
+count scales the deployment. In `args` (`frontend_replicas`, still read, or the argv's
+`--frontend-replicas`) it is part of the application's code version for Serve, so a new count
+replaced every replica (an attack, 2026-12-07: 1 -> 2 drained the only one).
 
 The builder runs inside the Ray cluster: it starts (or finds, after a redeploy) the
 workers and the coordinator as detached actors, waits for their heartbeats in Redis,

@@ -11,7 +11,12 @@ Serve calls the deployment's `__del__` before that kill; there the replica
 2. lets every request in flight finish, within `drain_s` (`folio serve --grace-period-s`,
    the chart's `serve.gracePeriodSeconds`), as uvicorn and gRPC's own graceful stops do:
    idle keep-alive connections close at once, a stream's connection after its last event;
-3. publishes its metrics a last time (replica_metrics.py), the drained requests included.
+3. cuts what is left at the end: an HTTP request whose response has not started (its body
+   still arriving, say) gets a 503 in OpenAI's shape, which a client may retry (uvicorn's own
+   cut answered a plain-text 500); a stream under way ends, a gRPC call gets UNAVAILABLE;
+4. publishes its metrics a last time (replica_metrics.py), the drained requests included.
+The log tells what was in flight at the start and what was left and cut at the end (counted
+before the cut: an attack found "0 left" after every drain, counted after it).
 
 Serve's deadline for all of it (`graceful_shutdown_timeout_s`) is drain_s + MARGIN_S. A
 replica replaced in a rollout is stopped only once its successor runs (`max_surge_percent`),
@@ -27,7 +32,8 @@ import logging
 import time
 
 DRAIN_S = 30.0
-MARGIN_S = 3.0  # Serve's own steps before `__del__` (a 0.2 s wait loop, its quiesce) and the last publish
+CUT_S = 1.0  # past the drain, for the servers to close what was cut
+MARGIN_S = 3.0  # Serve's own steps before `__del__` (a 0.2 s wait loop, its quiesce), the cut and the last publish
 log = logging.getLogger("ray.serve")  # the replica's log file (Serve's logger is the one that writes there)
 
 
@@ -38,32 +44,43 @@ def serve_options(drain_s: float) -> dict:
 
 
 async def drain(replica, drain_s: float) -> dict:
-    """Stop `replica` (a FolioFrontend) taking work, wait up to `drain_s` for its requests, then
-    publish its figures a last time; returns what it logs."""
-    t0, frontend = time.monotonic(), replica.frontend
-    before = frontend.in_flight
-    log.info("folio: draining this frontend replica: %d requests in flight (up to %.0f s)", before, drain_s)
+    """Stop `replica` (a FolioFrontend) taking work, wait up to `drain_s` for what it serves (its
+    requests, and HTTP requests whose body is still arriving), cut what is left, then publish its
+    figures a last time; returns what it logs."""
+    t0, frontend, http = time.monotonic(), replica.frontend, replica.http
+    at_start = dict(requests=frontend.in_flight, connections=http.open_connections() if http else 0)
+    log.info("folio: draining this frontend replica: %(requests)d requests in flight, %(connections)d HTTP "
+             "connections open (up to " + f"{drain_s:.0f} s)", at_start)
     replica.watch_task.cancel()  # a replica on its way out restarts no coordinator
-    stops = []
-    if replica.http is not None:
-        stops.append(replica.http.stop(drain_s))
+    stops = []  # each server's own graceful stop, with a bound past ours: what is left at ours is cut here
+    if http is not None:
+        stops.append(asyncio.ensure_future(http.stop(drain_s + CUT_S)))
     grpc_task = getattr(replica, "grpc_task", None)
     if grpc_task is not None:
-        stops.append(_stop_grpc(replica, grpc_task, drain_s))
-    await asyncio.gather(*stops, return_exceptions=True)
+        stops.append(asyncio.ensure_future(_stop_grpc(replica, grpc_task, drain_s + CUT_S)))
+    _, pending = await asyncio.wait(stops, timeout=drain_s) if stops else ((), ())
+    left = dict(requests=frontend.in_flight, connections=http.open_connections() if http else 0)
+    if pending:
+        if http is not None:
+            http.cut()  # a 503 where no response has started (the client can retry), else the stream cut
+        if replica.grpc is not None:
+            await replica.grpc.stop(0)  # UNAVAILABLE for the calls left
+        await asyncio.wait(pending, timeout=CUT_S)
     replica.metrics_stop.set()
     try:
         await asyncio.to_thread(frontend.metrics.replicas.publish)
     except Exception as e:  # Redis away: its last second's counts go with it
         log.warning("folio: the replica's last metrics were not published: %s", e)
-    done = dict(requests=before, left=frontend.in_flight, seconds=round(time.monotonic() - t0, 3))
-    log.info("folio: drained: %(requests)d requests in flight at the start, %(left)d left, in %(seconds).3f s", done)
+    done = dict(requests=at_start["requests"], connections=at_start["connections"], left=left["requests"],
+                left_connections=left["connections"], seconds=round(time.monotonic() - t0, 3))
+    log.info("folio: drained: %(requests)d requests in flight at the start, %(left)d left and cut; %(connections)d "
+             "HTTP connections open at the start, %(left_connections)d left; in %(seconds).3f s", done)
     return done
 
 
-async def _stop_grpc(replica, task: asyncio.Task, drain_s: float) -> None:
+async def _stop_grpc(replica, task: asyncio.Task, grace_s: float) -> None:
     if not task.done():  # still starting: it has served nothing
         task.cancel()
         return
     if replica.grpc is not None:
-        await replica.grpc.stop(drain_s)  # refuses new calls at once, cancels those left at the end
+        await replica.grpc.stop(grace_s)  # refuses new calls at once

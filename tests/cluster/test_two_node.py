@@ -540,7 +540,7 @@ def roll_the_frontends_with_streams_in_flight(cluster, config: dict, path, ns: s
     wait_for(lambda: app_status(cluster) == "RUNNING" and len(frontend_nodes(cluster)) == 2 and all(
         "folio: drained" in text for rid, text in replica_logs(cluster).items() if rid in old), 120,
         "the new replicas running, the old ones drained")
-    drained = [re.search(r"folio: drained: (\d+) requests in flight at the start, (\d+) left", text).groups()
+    drained = [re.search(r"folio: drained: (\d+) requests in flight at the start, (\d+) left and cut", text).groups()
                for rid, text in replica_logs(cluster).items() if rid in old]
     # every stream was on an old replica and ended there: 6 at the drains' start, none cut
     assert sum(int(n) for n, _ in drained) == 6 and all(left == "0" for _, left in drained), drained
@@ -553,6 +553,19 @@ def roll_the_frontends_with_streams_in_flight(cluster, config: dict, path, ns: s
         raise AssertionError(f"{e}: {counted} + 6 wanted, the last scrapes read {seen[-3:]}") from None
 
 
+def scale_the_frontends_down(cluster, config: dict, path) -> None:
+    """The chart's frontendReplicas 2 -> 1: the count is the deployment's (not an argument of
+    the application, part of its code version for Serve), so one replica goes and the other
+    stays; as an argument it replaced both (an attack, 2026-12-07)."""
+    yaml = pytest.importorskip("yaml")
+    before = live_replicas(cluster)
+    config["applications"][0]["deployments"][0]["num_replicas"] = 1  # as the chart renders frontendReplicas: 1
+    path.write_text(yaml.safe_dump(config))
+    serve_cli(cluster, "deploy", str(path))
+    wait_for(lambda: len(live_replicas(cluster)) == 1 and app_status(cluster) == "RUNNING", 120, "one replica left")
+    assert live_replicas(cluster) < before  # one of the two kept serving
+
+
 def test_helm_chart_serve_config_deploys_with_serve_deploy(two_nodes, model_dirs, tmp_path):
     from folio.cluster.redis_server import EmbeddedRedis
 
@@ -561,6 +574,7 @@ def test_helm_chart_serve_config_deploys_with_serve_deploy(two_nodes, model_dirs
     http, grpc_port, metrics = free_ports(3)
     with EmbeddedRedis() as redis, holding_gpu(HEAD_TAG):
         config, ns = chart_serve_config(model, http, grpc_port, metrics, redis.url)
+        assert config["applications"][0]["deployments"] == [{"name": "FolioFrontend", "num_replicas": 2}]
         path = tmp_path / "serve_config.yaml"
         path.write_text(yaml.safe_dump(config))
         serve_cli(two_nodes, "deploy", str(path))
@@ -580,6 +594,7 @@ def test_helm_chart_serve_config_deploys_with_serve_deploy(two_nodes, model_dirs
             stop_the_coordinator_once(two_nodes, ns, http)
             check_apis(f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc_port}", model, CHART_ENGINE)
             roll_the_frontends_with_streams_in_flight(two_nodes, config, path, ns, http, grpc_port, metrics, model)
+            scale_the_frontends_down(two_nodes, config, path)
             check_apis(f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc_port}", model, CHART_ENGINE)
         finally:
             serve_cli(two_nodes, "shutdown", "-y")

@@ -104,6 +104,8 @@ def test_every_rendered_object_validates(chart, crd_schemas, case):
 
 
 def test_serve_arguments_parse_with_the_cli_and_match_the_ports(chart):
+    from ray.serve.schema import ServeDeploySchema
+
     from folio.deploy.rayservice import parse_argv
 
     for case, values in OVERRIDES.items():
@@ -111,8 +113,13 @@ def test_serve_arguments_parse_with_the_cli_and_match_the_ports(chart):
         rs, cfg = serve_config(docs)
         app = cfg["applications"][0]
         assert app["import_path"] == "folio.deploy.rayservice:build"
+        ServeDeploySchema.model_validate(cfg)  # what `serve deploy` (KubeRay) accepts
         args = parse_argv(app["args"]["argv"])  # exits (SystemExit) on anything `folio serve` rejects
         merged = chart.merge_values(values)
+        # the replica count is the deployment's, so a new count scales; in the app's args it would be
+        # part of the code version, and replace (drain) every replica
+        assert set(app["args"]) == {"argv"} and args.frontend_replicas == 1, case
+        assert app["deployments"] == [{"name": "FolioFrontend", "num_replicas": merged["serve"]["frontendReplicas"]}]
         tp = merged["workers"].get("tensorParallelSize", 1)
         assert args.num_workers * tp == merged["workers"]["replicas"] * merged["workers"]["gpusPerPod"], case
         assert args.tensor_parallel_size == tp, case

@@ -34,12 +34,17 @@ class Server:
     async def app(self, scope, receive, send) -> None:  # /stream/N: N chunks PACE_S apart; else "ok"
         if scope["type"] != "http":
             return
-        await receive()
-        if scope["path"].startswith("/stream/"):
+        while (await receive()).get("more_body"):  # the whole body first, as the API's handlers read it
+            pass
+        if scope["path"].startswith("/stream/"):  # ends when its client goes, as Starlette's StreamingResponse
+            gone = asyncio.ensure_future(receive())
             await send({"type": "http.response.start", "status": 200, "headers": []})
             for i in range(int(scope["path"][8:])):
                 await send({"type": "http.response.body", "body": b"chunk %d\n" % i, "more_body": True})
-                await asyncio.sleep(PACE_S)
+                await asyncio.wait([gone], timeout=PACE_S)
+                if gone.done():
+                    return
+            gone.cancel()
             return await send({"type": "http.response.body", "body": b"end\n"})
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
         await send({"type": "http.response.body", "body": b"ok"})
@@ -151,5 +156,85 @@ def test_a_server_that_never_served_stops_at_once(protocol):
         t0 = time.monotonic()
         server.stop(grace_s=30).join(10)
         assert time.monotonic() - t0 < 2 and refused(server.port)
+    finally:
+        server.close()
+
+
+def post_head(path: str, length: int) -> bytes:
+    return f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {length}\r\n\r\n".encode()
+
+
+def test_the_cut_answers_503_to_a_request_still_arriving_and_ends_a_stream(protocol):
+    """What outlasts a drain: a body still arriving gets a 503 in OpenAI's shape, which a client
+    may retry (uvicorn's own cut answered a plain-text 500, found by an attack); a stream ends
+    without its last chunk."""
+    server = Server(protocol)
+    try:
+        trickle = connect(server.port)
+        trickle.sendall(post_head("/ok", 100) + b'{"prompt": ')  # and no more of it
+        stream = connect(server.port)
+        get(stream, "/stream/100")
+        head = read_until(stream, b"chunk 0")
+        stopping = server.stop(grace_s=30)
+        time.sleep(0.3)
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0), server.loop).result(5)  # (the loop is free)
+        server.loop.call_soon_threadsafe(server.http.cut)
+        answer = read_to_close(trickle)
+        assert answer.startswith(b"HTTP/1.1 503") and b'"code":"server_shutting_down"' in answer, answer
+        assert b"application/json" in answer and b"connection: close" in answer.lower()
+        body = read_to_close(stream, head)
+        assert b"end\n" not in body and not body.endswith(b"\r\n0\r\n\r\n")
+        stopping.join(10)
+        assert not stopping.is_alive()
+    finally:
+        server.close()
+
+
+def test_a_drain_counts_what_it_cuts_before_it_cuts_it(protocol):
+    """replica_drain.drain on a real HTTP server: the requests and connections left at the end
+    of the drain are counted before the cut (counted after it, they read 0 after every drain),
+    the cut ends them, and the replica's metrics are published once, after."""
+    import types
+
+    from folio.deploy.replica_drain import drain
+
+    server = Server(protocol)
+    frontend = types.SimpleNamespace(in_flight=0, published=0)
+    frontend.metrics = types.SimpleNamespace(replicas=types.SimpleNamespace(
+        publish=lambda: setattr(frontend, "published", frontend.published + 1)))
+
+    async def counted(scope, receive, send):  # /stream/N counted in flight, as the frontend's admission does
+        n = int(scope.get("path", "").startswith("/stream/"))
+        frontend.in_flight += n
+        try:
+            await Server.app(server, scope, receive, send)
+        finally:
+            frontend.in_flight -= n
+    server.app = counted
+    try:
+        short, long_ = connect(server.port), connect(server.port)
+        get(short, "/stream/3")
+        get(long_, "/stream/100")
+        heads = [read_until(s, b"chunk 0") for s in (short, long_)]
+        trickle = connect(server.port)
+        trickle.sendall(post_head("/ok", 100) + b"{")
+        deadline = time.monotonic() + 5
+        while server.http.open_connections() < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+        async def run():
+            replica = types.SimpleNamespace(frontend=frontend, http=server.http, grpc=None,
+                                            watch_task=asyncio.ensure_future(asyncio.sleep(3600)),
+                                            metrics_stop=threading.Event())
+            return await drain(replica, 1.0), replica.metrics_stop.is_set()
+        done, stopped = asyncio.run_coroutine_threadsafe(run(), server.loop).result(20)
+        assert done["requests"] == 2 and done["connections"] == 3, done
+        assert done["left"] == 1 and done["left_connections"] == 2, done  # the long stream, and the trickle
+        assert 1.0 <= done["seconds"] < 2.5 and stopped and frontend.published == 1, done
+        assert read_to_close(short, heads[0]).endswith(b"\r\n0\r\n\r\n")  # ended whole within the drain
+        assert not read_to_close(long_, heads[1]).endswith(b"\r\n0\r\n\r\n")  # cut
+        assert read_to_close(trickle).startswith(b"HTTP/1.1 503")
+        assert refused(server.port) and frontend.in_flight == 0  # the cut stream's handler ended
     finally:
         server.close()
