@@ -48,9 +48,12 @@ async def drain(replica, drain_s: float) -> dict:
     requests, and HTTP requests whose body is still arriving), cut what is left, then publish its
     figures a last time; returns what it logs."""
     t0, frontend, http = time.monotonic(), replica.frontend, replica.http
-    at_start = dict(requests=frontend.in_flight, connections=http.open_connections() if http else 0)
-    log.info("folio: draining this frontend replica: %(requests)d requests in flight, %(connections)d HTTP "
-             "connections open (up to " + f"{drain_s:.0f} s)", at_start)
+
+    def serving() -> tuple[int, int]:  # requests in flight, HTTP connections open
+        return frontend.in_flight, http.open_connections() if http is not None else 0
+    requests, connections = serving()
+    log.info("folio: draining this frontend replica: %d requests in flight, %d HTTP connections open (up to %.0f s)",
+             requests, connections, drain_s)
     replica.watch_task.cancel()  # a replica on its way out restarts no coordinator
     stops = []  # each server's own graceful stop, with a bound past ours: what is left at ours is cut here
     if http is not None:
@@ -59,7 +62,7 @@ async def drain(replica, drain_s: float) -> dict:
     if grpc_task is not None:
         stops.append(asyncio.ensure_future(_stop_grpc(replica, grpc_task, drain_s + CUT_S)))
     _, pending = await asyncio.wait(stops, timeout=drain_s) if stops else ((), ())
-    left = dict(requests=frontend.in_flight, connections=http.open_connections() if http else 0)
+    left, left_connections = serving()  # before the cut, which ends them
     if pending:
         if http is not None:
             http.cut()  # a 503 where no response has started (the client can retry), else the stream cut
@@ -71,8 +74,8 @@ async def drain(replica, drain_s: float) -> dict:
         await asyncio.to_thread(frontend.metrics.replicas.publish)
     except Exception as e:  # Redis away: its last second's counts go with it
         log.warning("folio: the replica's last metrics were not published: %s", e)
-    done = dict(requests=at_start["requests"], connections=at_start["connections"], left=left["requests"],
-                left_connections=left["connections"], seconds=round(time.monotonic() - t0, 3))
+    done = dict(requests=requests, connections=connections, left=left, left_connections=left_connections,
+                seconds=round(time.monotonic() - t0, 3))
     log.info("folio: drained: %(requests)d requests in flight at the start, %(left)d left and cut; %(connections)d "
              "HTTP connections open at the start, %(left_connections)d left; in %(seconds).3f s", done)
     return done
