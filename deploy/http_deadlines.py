@@ -205,6 +205,15 @@ class _Deadlines:
         self.transport.close()
         self._cancel()
 
+    def shutdown(self) -> None:
+        """uvicorn's graceful shutdown (a drain's start): an idle connection closes and a request
+        being served finishes, as in uvicorn; a request whose head is still arriving gets a 503
+        to retry elsewhere (uvicorn closed it without a word)."""
+        c = self.cycle
+        if self._head_bytes and (c is None or c.response_complete):
+            return self._refuse(SHUTTING_DOWN_503)
+        super().shutdown()
+
     def cut(self) -> None:
         """The end of a drain (replica_drain.py): a request whose response has not started (its
         head or body still arriving, or its handler not yet answering) gets a 503 to retry

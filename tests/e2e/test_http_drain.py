@@ -190,6 +190,26 @@ def test_the_cut_answers_503_to_a_request_still_arriving_and_ends_a_stream(proto
         server.close()
 
 
+def test_a_request_head_still_arriving_when_the_drain_starts_gets_a_503(protocol):
+    server = Server(protocol)
+    try:
+        first = connect(server.port)  # a head in part, on a new connection
+        first.sendall(b"GET /ok HTTP/1.1\r\nhost: x\r\n")
+        second = connect(server.port)  # and on a kept-alive one, after its first answer
+        get(second, "/ok")
+        assert read_until(second, b"ok").startswith(b"HTTP/1.1 200")
+        second.sendall(b"GET /ok HTTP/1.1\r\n")
+        time.sleep(0.2)  # (both parts read by the server)
+        stopping = server.stop(grace_s=30)
+        for s in (first, second):
+            answer = read_to_close(s)
+            assert answer.startswith(b"HTTP/1.1 503") and b'"code":"server_shutting_down"' in answer, answer
+        stopping.join(10)
+        assert not stopping.is_alive()
+    finally:
+        server.close()
+
+
 def test_a_drain_counts_what_it_cuts_before_it_cuts_it(protocol):
     """replica_drain.drain on a real HTTP server: the requests and connections left at the end
     of the drain are counted before the cut (counted after it, they read 0 after every drain),
