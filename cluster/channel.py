@@ -114,6 +114,15 @@ class Channel:
             box.aborted = True
             self.send(("abort", rid))
 
+    def cut(self, err: BaseException) -> None:
+        """End every request's stream here with `err` (a frontend replica's drain at its end:
+        its clients get an error they can act on, not a connection cut mid-answer), each aborted
+        on the worker first: a stream that raises is finished, and its close sends nothing."""
+        for rid, box in list(self.inboxes.items()):
+            self.abort_soon(rid)  # (a move not read yet: its import is dropped there, and its marker here)
+            box.items = deque(i for i in box.items if not (isinstance(i, StreamChunk) and i.migrated_to is not None))
+            box.put(err)
+
     async def call(self, msg):
         fut = asyncio.get_running_loop().create_future()
         self.outgoing.append((msg, fut))

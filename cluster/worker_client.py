@@ -36,6 +36,7 @@ class WorkerClient(Protocol):
     def attach(self, wid: str, request_id: str) -> AsyncIterator[StreamChunk]: ...
     async def abort(self, wid: str, request_id: str) -> bool: ...
     def abort_soon(self, wid: str, request_id: str) -> None: ...
+    def cut(self, err: BaseException) -> None: ...
     async def move(self, src: str, dst: str, request_id: str, preempt: tuple[str, ...] = ()) -> None: ...
     async def running_requests(self, wid: str, min_priority: int | None = None) -> list: ...
 
@@ -129,6 +130,17 @@ class RayWorkerClient:
         if ch is not None:
             ch.abort_soon(request_id)
 
+    def cut(self, err: BaseException) -> None:
+        """End every request streamed through this client with `err`, each aborted on its worker
+        (Channel.cut), on whichever event loop its channel is."""
+        here = asyncio.get_running_loop()
+        for loop, channels in list(self._channels.items()):
+            for ch in list(channels.values()):
+                if loop is here:
+                    ch.cut(err)
+                elif not loop.is_closed():
+                    loop.call_soon_threadsafe(ch.cut, err)
+
     def drop_moved(self, wid: str, request_id: str) -> None:
         """A request moved to `wid` whose reader left before reading the move: nobody will
         attach to it there, so its import is dropped (aborted, its stream gone), without waiting."""
@@ -173,6 +185,9 @@ class LocalWorkerClient:
 
     def abort_soon(self, wid: str, request_id: str) -> None:
         """Nothing: in-process streams have no channel to jump (their close aborts them)."""
+
+    def cut(self, err: BaseException) -> None:
+        """Nothing: in-process workers serve no frontend replica that Serve drains."""
 
     async def move(self, src: str, dst: str, request_id: str, preempt: tuple[str, ...] = ()) -> None:
         state = await self._w(src).export_request(request_id, dst)

@@ -246,3 +246,9 @@ class Frontend:
 
     async def abort(self, request_id: str) -> bool:
         return await self.router.abort(request_id)
+
+    def cut(self, err: BaseException) -> None:
+        """End every request streaming through this frontend with `err` (a drain's end,
+        replica_drain.py): each is aborted on its worker, and its client gets the error as its
+        answer or its stream's last event."""
+        self.router.client.cut(err)

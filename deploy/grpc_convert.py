@@ -2,7 +2,8 @@
 Folio's own types, for the gRPC servicer (grpc_servicer.py).
 
     status_of(e)          Folio's typed errors as status codes: InvalidRequestError INVALID_ARGUMENT,
-                          OverloadedError RESOURCE_EXHAUSTED, UnavailableError UNAVAILABLE, else INTERNAL
+                          OverloadedError RESOURCE_EXHAUSTED, UnavailableError and ShuttingDownError
+                          UNAVAILABLE, else INTERNAL
     sampling_params(s)    pb.SamplingParameters -> SamplingParams; an unset optional field takes its
                           default (max_tokens 16, as HTTP completions); at most one guided_* constraint
                           (InvalidRequestError otherwise, or for guided_json that is not JSON)
@@ -16,7 +17,7 @@ import json
 import grpc
 
 from folio.v1 import generate_pb2 as pb
-from folio.worker.errors import InvalidRequestError, OverloadedError, UnavailableError
+from folio.worker.errors import InvalidRequestError, OverloadedError, ShuttingDownError, UnavailableError
 from folio.worker.guided import GuidedSpec
 from folio.worker.sampling_params import SamplingParams
 
@@ -26,7 +27,7 @@ def status_of(e: Exception) -> grpc.StatusCode:
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(e, OverloadedError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if isinstance(e, UnavailableError):
+    if isinstance(e, (UnavailableError, ShuttingDownError)):
         return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
 

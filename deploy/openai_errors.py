@@ -3,7 +3,8 @@
     HTTPError(status, message, type, code, param, headers).body()
         == {"error": {"message", "type", "param", "code"}}
     http_error(e): InvalidRequestError 400 (its param) · OverloadedError 429 with Retry-After
-        · UnavailableError 503 · any other FolioError 500 · anything else 500 naming only its type
+        · UnavailableError and ShuttingDownError 503 · any other FolioError 500 · anything else
+        500 naming only its type
 
 The handlers (openai_http.py) raise HTTPError for what only HTTP refuses (401, 404, 413, a context
 length past max_model_len); the app (serve_deployment.py) answers every error with `http_error(e)`, and a
@@ -12,7 +13,7 @@ stream that has started reports it as its last event (openai_sse.py).
 
 from __future__ import annotations
 
-from folio.worker.errors import FolioError, InvalidRequestError, OverloadedError, UnavailableError
+from folio.worker.errors import FolioError, InvalidRequestError, OverloadedError, ShuttingDownError, UnavailableError
 
 RETRY_AFTER_S = 1
 
@@ -39,6 +40,8 @@ def http_error(e: Exception) -> HTTPError:
                          headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(e, UnavailableError):
         return HTTPError(503, str(e), "service_unavailable", "unavailable")
+    if isinstance(e, ShuttingDownError):  # the code of the server's own 503 when it stops (http_deadlines.py)
+        return HTTPError(503, str(e), "service_unavailable", "server_shutting_down")
     if isinstance(e, FolioError):
         return HTTPError(500, str(e), "internal_error")
     return HTTPError(500, f"internal error ({type(e).__name__})", "internal_error")

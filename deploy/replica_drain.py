@@ -11,9 +11,13 @@ Serve calls the deployment's `__del__` before that kill; there the replica
 2. lets every request in flight finish, within `drain_s` (`folio serve --grace-period-s`,
    the chart's `serve.gracePeriodSeconds`), as uvicorn and gRPC's own graceful stops do:
    idle keep-alive connections close at once, a stream's connection after its last event;
-3. cuts what is left at the end: an HTTP request whose response has not started (its body
-   still arriving, say) gets a 503 in OpenAI's shape, which a client may retry (uvicorn's own
-   cut answered a plain-text 500); a stream under way ends, a gRPC call gets UNAVAILABLE;
+3. ends what is left at the end: each request is aborted on its worker and its client gets a
+   503 in OpenAI's shape (UNAVAILABLE over gRPC) that it may retry elsewhere: as the answer,
+   or as a stream's last event before `data: [DONE]` (cut, the stream ended inside its body
+   and the client saw a broken connection, not why). What that does not end within half of
+   CUT_S (a client that reads nothing, a request whose body is still arriving) is cut: a 503
+   where no response has started (uvicorn's own cut answered a plain-text 500), else the
+   connection closed;
 4. publishes its metrics a last time (replica_metrics.py), the drained requests included.
 The log tells what was in flight at the start and what was left and cut at the end (counted
 before the cut: an attack found "0 left" after every drain, counted after it).
@@ -30,6 +34,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+
+from folio.worker.errors import ShuttingDownError
 
 DRAIN_S = 30.0
 CUT_S = 1.0  # past the drain, for the servers to close what was cut
@@ -63,12 +69,16 @@ async def drain(replica, drain_s: float) -> dict:
         stops.append(asyncio.ensure_future(_stop_grpc(replica, grpc_task, drain_s + CUT_S)))
     _, pending = await asyncio.wait(stops, timeout=drain_s) if stops else ((), ())
     left, left_connections = serving()  # before the cut, which ends them
-    if pending:
+    if pending:  # the requests left end with a 503 (UNAVAILABLE): an HTTP stream with an error event and [DONE]
+        frontend.cut(ShuttingDownError(f"this frontend replica stopped and its grace period ({drain_s:g} s) is "
+                                       "over: the request was aborted; retry it"))
+        _, pending = await asyncio.wait(pending, timeout=CUT_S / 2)
+    if pending:  # what the errors did not end (a client that reads nothing, a body still arriving)
         if http is not None:
             http.cut()  # a 503 where no response has started (the client can retry), else the stream cut
         if replica.grpc is not None:
             await replica.grpc.stop(0)  # UNAVAILABLE for the calls left
-        await asyncio.wait(pending, timeout=CUT_S)
+        await asyncio.wait(pending, timeout=CUT_S / 2)
     replica.metrics_stop.set()
     try:
         await asyncio.to_thread(frontend.metrics.replicas.publish)

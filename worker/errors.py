@@ -32,6 +32,13 @@ class WorkerFailedError(UnavailableError):
     the request cannot be resumed elsewhere without repeating or losing tokens."""
 
 
+class ShuttingDownError(FolioError):
+    """The frontend replica serving the request stopped and its grace period is over (HTTP 503
+    / gRPC UNAVAILABLE): the request was aborted on its worker; the client may send it again
+    (another replica takes it). Not an UnavailableError: the router must not run it elsewhere
+    through the replica that is going away."""
+
+
 class OverloadedError(FolioError):
     """The admission queue is full (HTTP 429 with Retry-After / gRPC RESOURCE_EXHAUSTED):
     the request was not queued; retry later."""

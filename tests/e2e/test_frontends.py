@@ -604,12 +604,15 @@ def test_grpc_burst_gets_resource_exhausted(server):
 def test_error_mapping_of_both_frontends():
     from folio.deploy.grpc_convert import status_of
     from folio.deploy.openai_errors import http_error
-    from folio.worker.errors import InvalidRequestError, OverloadedError, UnavailableError, WorkerFailedError
+    from folio.worker.errors import (InvalidRequestError, OverloadedError, ShuttingDownError, UnavailableError,
+                                     WorkerFailedError)
 
-    cases = [(InvalidRequestError("x"), 400, grpc.StatusCode.INVALID_ARGUMENT),
+    cases = [(ShuttingDownError("x"), 503, grpc.StatusCode.UNAVAILABLE),  # a drain's end (replica_drain.py)
+             (InvalidRequestError("x"), 400, grpc.StatusCode.INVALID_ARGUMENT),
              (OverloadedError("x"), 429, grpc.StatusCode.RESOURCE_EXHAUSTED),
              (UnavailableError("x"), 503, grpc.StatusCode.UNAVAILABLE),
              (WorkerFailedError("x"), 503, grpc.StatusCode.UNAVAILABLE)]
     for err, status, code in cases:
         assert http_error(err).status == status and status_of(err) == code
     assert http_error(OverloadedError("x")).headers == {"Retry-After": "1"}
+    assert http_error(ShuttingDownError("x")).code == "server_shutting_down"  # as the server's own 503 when it stops

@@ -210,36 +210,53 @@ def test_a_request_head_still_arriving_when_the_drain_starts_gets_a_503(protocol
         server.close()
 
 
-def test_a_drain_counts_what_it_cuts_before_it_cuts_it(protocol):
-    """replica_drain.drain on a real HTTP server: the requests and connections left at the end
-    of the drain are counted before the cut (counted after it, they read 0 after every drain),
-    the cut ends them, and the replica's metrics are published once, after."""
+def test_a_drain_ends_what_is_left_with_an_error_and_counts_it_first(protocol):
+    """replica_drain.drain on a real HTTP server. At the drain's end the frontend's requests
+    left are ended with ShuttingDownError (Frontend.cut: each aborted on its worker, its stream
+    ending with the error as its last event and a whole body, as openai_sse does); what that
+    does not end (a handler that never sees it, a request whose body is still arriving) is cut
+    next: a 503 where no response has started, else the connection closed. The requests and
+    connections left are counted before either (counted after the cut, they read 0 after every
+    drain), and the replica's metrics are published once, after."""
     import types
 
     from folio.deploy.replica_drain import drain
+    from folio.worker.errors import ShuttingDownError
 
     server = Server(protocol)
-    frontend = types.SimpleNamespace(in_flight=0, published=0)
+    frontend = types.SimpleNamespace(in_flight=0, published=0, cut_with=[])
     frontend.metrics = types.SimpleNamespace(replicas=types.SimpleNamespace(
         publish=lambda: setattr(frontend, "published", frontend.published + 1)))
+    ended = asyncio.Event()  # set by the frontend's cut, on the server's loop
+    frontend.cut = lambda err: (frontend.cut_with.append(err), ended.set())
 
-    async def counted(scope, receive, send):  # /stream/N counted in flight, as the frontend's admission does
-        n = int(scope.get("path", "").startswith("/stream/"))
+    async def counted(scope, receive, send):  # in flight as the frontend's admission counts
+        path = scope.get("path", "")
+        n = int(path.startswith(("/stream/", "/ended")))
         frontend.in_flight += n
         try:
-            await Server.app(server, scope, receive, send)
+            if path == "/ended":  # a stream that ends with the error once the frontend's requests are ended
+                while (await receive()).get("more_body"):
+                    pass
+                await send({"type": "http.response.start", "status": 200, "headers": []})
+                await send({"type": "http.response.body", "body": b"chunk 0\n", "more_body": True})
+                await ended.wait()
+                await send({"type": "http.response.body", "body": b"data: {\"error\": 503}\n\ndata: [DONE]\n\n"})
+            else:  # /stream/N: one that the frontend's cut does not reach
+                await Server.app(server, scope, receive, send)
         finally:
             frontend.in_flight -= n
     server.app = counted
     try:
-        short, long_ = connect(server.port), connect(server.port)
+        short, long_, deaf = connect(server.port), connect(server.port), connect(server.port)
         get(short, "/stream/3")
-        get(long_, "/stream/100")
-        heads = [read_until(s, b"chunk 0") for s in (short, long_)]
+        get(long_, "/ended")
+        get(deaf, "/stream/100")
+        heads = [read_until(s, b"chunk 0") for s in (short, long_, deaf)]
         trickle = connect(server.port)
         trickle.sendall(post_head("/ok", 100) + b"{")
         deadline = time.monotonic() + 5
-        while server.http.open_connections() < 3:
+        while server.http.open_connections() < 4:
             assert time.monotonic() < deadline
             time.sleep(0.01)
 
@@ -249,11 +266,14 @@ def test_a_drain_counts_what_it_cuts_before_it_cuts_it(protocol):
                                             metrics_stop=threading.Event())
             return await drain(replica, 1.0), replica.metrics_stop.is_set()
         done, stopped = asyncio.run_coroutine_threadsafe(run(), server.loop).result(20)
-        assert done["requests"] == 2 and done["connections"] == 3, done
-        assert done["left"] == 1 and done["left_connections"] == 2, done  # the long stream, and the trickle
+        assert done["requests"] == 3 and done["connections"] == 4, done
+        assert done["left"] == 2 and done["left_connections"] == 3, done  # the two long streams, and the trickle
         assert 1.0 <= done["seconds"] < 2.5 and stopped and frontend.published == 1, done
+        assert [type(e) for e in frontend.cut_with] == [ShuttingDownError]
         assert read_to_close(short, heads[0]).endswith(b"\r\n0\r\n\r\n")  # ended whole within the drain
-        assert not read_to_close(long_, heads[1]).endswith(b"\r\n0\r\n\r\n")  # cut
+        body = read_to_close(long_, heads[1])  # ended by the error, whole
+        assert b"data: [DONE]" in body and body.endswith(b"\r\n0\r\n\r\n"), body[-200:]
+        assert not read_to_close(deaf, heads[2]).endswith(b"\r\n0\r\n\r\n")  # cut
         assert read_to_close(trickle).startswith(b"HTTP/1.1 503")
         assert refused(server.port) and frontend.in_flight == 0  # the cut stream's handler ended
     finally:

@@ -10,11 +10,13 @@ long; tests/cluster/test_data_plane.py covers the real worker."""
 import asyncio
 import contextlib
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from folio.cluster.channel import Channel
 from folio.worker import data_plane
+from folio.worker.errors import ShuttingDownError
 from folio.worker.messages import GenerateRequest, StreamChunk
 from folio.worker.sampling_params import SamplingParams
 
@@ -162,14 +164,16 @@ def test_leaving_after_the_connection_closed_under_the_channel_does_not_raise():
 
 
 OPS = st.lists(st.one_of(st.tuples(st.sampled_from(["open", "leave", "soon"]), st.integers(0, 5)),
-                         st.just(("answer", 0))), max_size=30)
+                         st.just(("answer", 0)), st.just(("cut", 0))), max_size=30)
+CUT = ShuttingDownError("the replica stopped")
 
 
 @settings(max_examples=60, deadline=None)
 @given(OPS)
 def test_any_interleaving_sends_each_abort_once_and_after_its_submit(ops):
-    """Streams opened, left and aborted early in any order, the worker's replies coming at any
-    point: each request left gets exactly one abort, after its submit; none is sent for the rest."""
+    """Streams opened, left, aborted early and cut (a drain's end) in any order, the worker's
+    replies coming at any point: each request left or cut gets exactly one abort, after its
+    submit; none is sent for the rest."""
     async def main():
         peer = await Peer().start()
         ch = Channel(Client(peer.port), "w")
@@ -189,6 +193,14 @@ def test_any_interleaving_sends_each_abort_once_and_after_its_submit(ops):
             elif op == "soon" and k in streams:
                 ch.abort_soon(streams[k][0])
                 left.add(streams[k][0])
+            elif op == "cut":  # a drain's end (Channel.cut): every open stream ends with the error
+                ch.cut(CUT)
+                for rid, gen, task in streams.values():
+                    with pytest.raises(ShuttingDownError):
+                        await task
+                    await gen.aclose()
+                    left.add(rid)
+                streams.clear()
             elif op == "answer":
                 await asyncio.sleep(0.01)
                 for seq, batch in peer.frames[answered:]:
@@ -252,4 +264,47 @@ def test_a_reader_gone_before_it_read_its_move_has_the_import_dropped_where_it_w
                     await asyncio.sleep(0.01)
             assert ch.client.dropped == [("w2", "a")], how
             await peer.stop()
+    run(main())
+
+
+def test_a_cut_ends_each_stream_with_its_error_after_what_came_and_aborts_only_what_runs():
+    """Channel.cut (a frontend replica's drain at its end): a stream gets the tokens already
+    come first, then the error, and its request is aborted on the worker, once; a request whose
+    last chunk came ends as it is (no abort); one whose move marker is unread has its import
+    dropped where it went (no abort here, where it no longer runs) and never reads the move."""
+    def chunk(rid, **kw):
+        return rid, StreamChunk(request_id=rid, worker_id="w", deltas=[], **kw)
+
+    async def main():
+        peer = await Peer().start()
+        client = Client(peer.port)
+        ch = Channel(client, "w")
+        streams = {rid: await _open(ch, rid) for rid in ("run", "done", "moved")}
+        seq, _ = await peer.frame()
+        peer.answer(seq, 3)
+        data_plane.write_frame(peer.writer, ("c", [chunk("run"), chunk("done"), chunk("moved")]))
+        for gen, task in streams.values():
+            await task  # each read its first chunk
+        data_plane.write_frame(peer.writer, ("c", [chunk("run"), chunk("done", finished=True),
+                                                   chunk("moved", migrated_to="w2")]))
+        for _ in range(500):
+            if all(ch.inboxes[rid].items for rid in streams):
+                break
+            await asyncio.sleep(0.01)
+        ch.cut(CUT)
+        ch.cut(CUT)  # a second cut sends nothing more
+        got = {}
+        for rid, (gen, _) in streams.items():
+            got[rid] = []
+            try:
+                async for c in gen:
+                    got[rid].append((c.finished, c.migrated_to))
+            except ShuttingDownError:
+                got[rid].append("error")
+        assert got == {"run": [(False, None), "error"], "done": [(True, None)], "moved": ["error"]}, got
+        assert (await peer.frame())[1] == [("abort", "run")]
+        assert client.dropped == [("w2", "moved")]
+        await asyncio.sleep(0.05)
+        assert [m for m in peer.messages() if m[0] == "abort"] == [("abort", "run")]
+        await peer.stop()
     run(main())
