@@ -20,7 +20,10 @@ last published figures and the retired sum. So every replica answers the same su
 never goes down from one scrape to the next, whichever replicas they reach, nor when a replica
 goes:
 - a replica silent for RETIRE_S is folded into "retired", in one WATCH transaction;
-- a replica once folded can publish no more (a Lua check), so it is never counted twice;
+- a replica once folded can publish no more under its id (a Lua check), so it is never counted
+  twice; one folded that comes back (a partition of over RETIRE_S, say) goes on under a new id
+  with what it counted since its last publish before the fold (its figures less those, which
+  "retired" holds): it stayed out of the totals for good, and every scrape it answered too;
 - a replica that Serve stops publishes a last time once its requests are drained
   (replica_drain.py); one killed loses what it counted since its last publish (<= PUBLISH_S).
 
@@ -95,20 +98,35 @@ class ReplicaMetrics:
         self.retired_key = f"{self.key}:retired"
         self.id = replica_id or f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.others: dict[str, Figures] = {}  # the last figures read of every other replica, "retired" included
+        self.published: Figures = {}  # this replica's figures at its last publish
+        self.baseline: Figures = {}  # what "retired" holds of this replica (folded as gone, then back)
         self._publish = self.r.register_script(_PUBLISH)
+        self._lock = threading.Lock()  # the publishing thread and the scrapes
 
     def publish(self, figs: Figures | None = None) -> bool:
-        """False once this replica was folded as gone (it stays out of the totals then)."""
+        """Write this replica's figures (less its baseline). Folded as gone meanwhile: it goes on
+        under a new id with what it counted since its last publish (False if that fails too)."""
         figs = figures(self.own) if figs is None else figs
-        return bool(self._publish(keys=[self.key, self.retired_key], args=[self.id, _encode(figs, self.clock())]))
+        with self._lock:
+            for _ in range(2):
+                sent = _encode(self._own_part(figs), self.clock())
+                if self._publish(keys=[self.key, self.retired_key], args=[self.id, sent]):
+                    self.published = figs
+                    return True
+                log.warning("this frontend replica's metrics were folded as gone (silent for %.0f s): it goes on "
+                            "under a new id", self.retire_s)
+                self.id, self.baseline = f"{os.getpid()}-{uuid.uuid4().hex[:12]}", self.published
+            return False
+
+    def _own_part(self, figs: Figures) -> Figures:
+        """What this replica's field holds of `figs`: the rest is in "retired" (its baseline)."""
+        return {k: v - self.baseline.get(k, 0.0) for k, v in figs.items()}
 
     def run(self, stop: threading.Event, every_s: float = PUBLISH_S) -> None:
         """Publish now, then every `every_s` until `stop` is set (a daemon thread of the replica)."""
         while True:
             try:
-                if not self.publish():
-                    log.warning("this frontend replica's metrics were folded as gone: it publishes no more")
-                    return
+                self.publish()
             except (redis.RedisError, OSError) as e:
                 log.debug("the replica's metrics were not published: %s", e)
             if stop.wait(every_s):
@@ -125,7 +143,7 @@ class ReplicaMetrics:
             every = self._read()
         except (redis.RedisError, OSError) as e:
             log.debug("other replicas' metrics unavailable: %s", e)
-            every = {**self.others, self.id: own}
+            every = {**self.others, self.id: self._own_part(own)}
         else:
             self.others = {field: figs for field, figs in every.items() if field != self.id}
         total: Figures = {}
