@@ -43,6 +43,9 @@ DRAIN_MARGIN_S = 2.0  # past the grace period, how long a drain waits for the wo
 # `folio serve` (3.3 % of a core on a 2-core EPYC, 2026-12-02); at 0.5 s it took 1.1 %, and the
 # whole idle cluster 9.3 % of a core instead of 14.4 %. Its health checks and scaling act on seconds.
 os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
+# What Serve's controller must see of the above: a Ray joined with --address has the env it was started with,
+# so `folio serve` hands these to the controller it starts (serve.start's controller_options).
+SERVE_CONTROLLER_ENV = ("RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S")
 
 from folio.cluster.coordinator import CoordinatorActor  # noqa: E402
 from folio.cluster.ray_start import RayStart  # noqa: E402

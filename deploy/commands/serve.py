@@ -261,13 +261,17 @@ def start_frontends(args, cluster) -> str:
         return ""
     from ray import serve as ray_serve
 
+    from folio.cluster.launcher import SERVE_CONTROLLER_ENV
     from folio.deploy.serve_deployment import build_app
 
-    # the replicas serve HTTP themselves (deploy/http_server.py); Serve's proxy only on request
+    # the replicas serve HTTP themselves (deploy/http_server.py); Serve's proxy only on request. A controller
+    # started here gets the launcher's settings for it (on a joined Ray, its nodes' env may lack them)
+    controller = {"runtime_env": {"env_vars": {k: os.environ[k] for k in SERVE_CONTROLLER_ENV if k in os.environ}}}
     if args.serve_proxy_port:
-        ray_serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.serve_proxy_port})
+        ray_serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.serve_proxy_port},
+                        controller_options=controller)
     else:
-        ray_serve.start(proxy_location="Disabled")
+        ray_serve.start(proxy_location="Disabled", controller_options=controller)
     try:
         ray_serve.run(build_app(frontend_config(args, cluster), args.frontend_replicas), name="folio",
                       route_prefix="/")

@@ -66,6 +66,9 @@ ENV = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0",
            RAY_timeout_ms_task_wait_for_death_info="0", RAY_kill_worker_timeout_milliseconds="1000",
            RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS="1",  # the chart's env, as the two above
            FOLIO_WORKER_FROZEN_S="3")  # the frozen watches' bound (liveness.py; 20 s by default)
+# not in the chart's env either (an import of folio's launcher in this process sets it): the Serve controller has it
+# only from `folio serve`, which hands it over (test 1)
+ENV.pop("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", None)
 FRONTEND_RESOURCES = {"folio-frontend": 1000}  # what the chart's head advertises
 HEAD_TAG, NODE2_TAG = "two-node-head", "two-node-node2"  # custom resources: pin a GPU hold to a node
 # test 1: KV for 384 tokens per worker (blocks of 16 KiB with the tiny Llama's 1 KiB per token),
@@ -237,6 +240,13 @@ def actors(cluster, namespace: str) -> dict[str, tuple[str, str]]:
     return {a.name: (a.class_name, a.node_id) for a in found if a.ray_namespace == namespace}
 
 
+def serve_controller_pid(cluster) -> int:
+    from ray.util.state import list_actors
+
+    found = list_actors(address=cluster["dashboard"], filters=[("state", "=", "ALIVE")], limit=1000, detail=True)
+    return next(a.pid for a in found if a.class_name == "ServeController")
+
+
 def worker_stats(ns: str, wids=("w0", "w1")) -> dict[str, dict]:
     return {w: ray.get(ray.get_actor(actor_name(ns, w), namespace=ns).stats.remote(), timeout=30) for w in wids}
 
@@ -376,6 +386,11 @@ def test_folio_serve_address_joins_a_two_node_cluster(two_nodes, model_dirs):
         where = actors(two_nodes, ns)
         nodes = {w: where[actor_name(ns, w)][1] for w in ("w0", "w1")}
         assert sorted(nodes.values()) == sorted([two_nodes["head"], two_nodes["node2"]])  # one per node
+        # Serve's controller, started by folio serve on a Ray it joined, has folio's settings for it: the nodes'
+        # env here lacks RAY_SERVE_CONTROL_LOOP_INTERVAL_S (and a joined cluster's may lack the force stop)
+        env = psutil.Process(serve_controller_pid(two_nodes)).environ()
+        assert env.get("RAY_SERVE_CONTROL_LOOP_INTERVAL_S") == "0.5" and "RAY_SERVE_CONTROL_LOOP_INTERVAL_S" not in ENV
+        assert env.get("RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS") == "1"
         before = worker_stats(ns)
         check_apis(server["http"], server["grpc"], model, ENGINE)
         after = worker_stats(ns)
