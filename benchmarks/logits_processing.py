@@ -4,8 +4,9 @@ kind of processing on every row, against the same batch without any.
     .venv/bin/python benchmarks/logits_processing.py [--batch 64] [--vocab 49152] [--out F]
 
 Rows carry a history of --prompt-len prompt and --output-len output tokens (what the penalties
-count). Reports the median of --repeats timed calls after warm-up, per configuration, in ms,
-and the added cost per row. 49,152 is SmolLM2-135M's vocabulary.
+count), one token longer at each call (a decode step). Reports the median of --repeats timed
+calls after warm-up, per configuration, in ms, and the added cost per row. 49,152 is
+SmolLM2-135M's vocabulary.
 """
 
 from __future__ import annotations
@@ -119,7 +120,11 @@ def main() -> None:
             params = [SamplingParams(temperature=0.0 if greedy else 0.8, top_p=1.0 if greedy else 0.95,
                                      **{"max_tokens": 16, **kw}) for _ in rows]
             gens = [None if greedy else torch.Generator().manual_seed(i) for i in range(len(rows))]
-            ms = 1e3 * time_call(lambda: sample(logits, params, gens, rows, {0}), args.repeats)
+            def step():  # a decode step: each row one token longer, as the engine's sequences grow
+                for r in rows:
+                    r.token_ids.append(rng.randrange(args.vocab))
+                return sample(logits, params, gens, rows, {0})
+            ms = 1e3 * time_call(step, args.repeats)
             results[f"{'greedy' if greedy else 'sampled'} / {name}"] = ms
     out = {"batch": args.batch, "vocab": args.vocab, "logits": args.logits, "prompt_len": args.prompt_len, "output_len": args.output_len,
            "threads": args.threads, "cpu": platform.processor() or platform.machine(),

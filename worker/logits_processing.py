@@ -1,6 +1,7 @@
 """Logits processing for a batch of rows (the sampler's first stage), in vLLM's order: the
 structured-output grammar's mask (guided.py), allowed_token_ids, bad words, logit_bias,
-min_tokens, then the repetition, frequency and presence penalties (`_penalize`).
+min_tokens, then the repetition, frequency and presence penalties (penalties.py: from each
+sequence's ids seen and their counts, kept as it grows).
 
 Each kind is one batched tensor operation over the rows that use it (gather / scatter), never
 a dense [N, V] pass but for allowed_token_ids (everything else masked). A request's allowed ids
@@ -16,6 +17,8 @@ from collections import OrderedDict
 from typing import Protocol, Sequence
 
 import torch
+
+from folio.worker.penalties import penalize
 
 NEG_INF = float("-inf")
 
@@ -59,13 +62,6 @@ def _by_request(rows: list[int], params: list) -> list[tuple[object, list[int]]]
     for i in rows:
         groups.setdefault(id(params[i]), (params[i], []))[1].append(i)
     return list(groups.values())
-
-
-def _padded(rows: list[list[int]], device) -> torch.Tensor:
-    """[len(rows), longest] long: each row's ids, padded with its own first id (non-empty rows).
-    A repeated id reads and writes the same value, so the padding changes nothing."""
-    width = max(len(r) for r in rows)
-    return torch.tensor([r + [r[0]] * (width - len(r)) for r in rows], dtype=torch.long, device=device)
 
 
 def _allow_only(logits: torch.Tensor, rows: list[int], params: list) -> None:
@@ -149,33 +145,5 @@ def process_logits(logits: torch.Tensor, params: list, histories: Sequence[Histo
             t += sorted(stops)
     if r:
         put(r, t, [NEG_INF] * len(r))
-    _penalize(logits, rows, params, histories)
+    penalize(logits, rows, params, histories)
     return logits
-
-
-def _penalize(logits: torch.Tensor, rows: list[int], params: list, histories: Sequence[History]) -> None:
-    """The repetition, frequency and presence penalties of `rows`, in place on float32 logits [N, V]:
-    one gather / scatter per kind over the rows that use it."""
-    vocab, device = logits.shape[-1], logits.device
-    rep = [i for i in rows if params[i].repetition_penalty != 1.0]
-    if rep:  # HF's RepetitionPenaltyLogitsProcessor: every id of the prompt and the output
-        ids = _padded([histories[i].token_ids for i in rep], device).clamp_(0, vocab - 1)
-        r = torch.tensor(rep, device=device)[:, None]
-        f = torch.tensor([params[i].repetition_penalty for i in rep], dtype=logits.dtype, device=device)[:, None]
-        v = logits[r, ids]
-        logits[r, ids] = torch.where(v > 0, v / f, v * f)
-    pen = [i for i in rows if (params[i].presence_penalty or params[i].frequency_penalty)
-           and len(histories[i].token_ids) > histories[i].num_prompt_tokens]
-    if pen:  # OpenAI's: logit -= count * frequency + (count > 0) * presence, over the output
-        outs = [histories[i].token_ids[histories[i].num_prompt_tokens:] for i in pen]
-        ids = _padded(outs, device).clamp_(0, vocab - 1)
-        width = ids.shape[1]
-        lens = torch.tensor([len(o) for o in outs], device=device)
-        real = torch.arange(width, device=device)[None, :] < lens[:, None]
-        counts = torch.zeros(len(pen), vocab, dtype=logits.dtype, device=device)
-        counts.scatter_add_(1, ids, real.to(logits.dtype))
-        c = counts.gather(1, ids)
-        r = torch.tensor(pen, device=device)[:, None]
-        freq = torch.tensor([params[i].frequency_penalty for i in pen], dtype=logits.dtype, device=device)[:, None]
-        pres = torch.tensor([params[i].presence_penalty for i in pen], dtype=logits.dtype, device=device)[:, None]
-        logits[r, ids] = logits[r, ids] - freq * c - pres

@@ -40,7 +40,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "group", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "status", "block_hashes", "generator", "output_text", "logprobs", "finish_reason",
-        "stop_reason", "num_preemptions", "decoder", "sent_tokens", "sent_text_len", "grammar",
+        "stop_reason", "num_preemptions", "decoder", "sent_tokens", "sent_text_len", "grammar", "penalty_seen",
     )
 
     def __init__(self, group: "SequenceGroup", index: int, token_ids: list[int]) -> None:
@@ -62,6 +62,7 @@ class Sequence:
         self.sent_tokens = 0  # output tokens already reported (outputs.py; a migration carries both)
         self.sent_text_len = 0  # characters of output_text already reported
         self.grammar = None  # structured output: its xgrammar matcher, made on first use (guided.py)
+        self.penalty_seen = None  # the penalties' ids seen and counts, made on first use (penalties.py)
 
     # ---- derived figures -------------------------------------------------------------
     @property

@@ -137,6 +137,48 @@ def test_the_rows_of_one_request_share_its_params_and_each_matches_row_by_row(re
         assert_rows_match(logits, process_logits(logits, [p for p, _, _ in rows], hists, eos_ids={EOS}), rows)
 
 
+penalty_params = st.builds(
+    lambda rep, pres, freq: SamplingParams(max_tokens=64, repetition_penalty=rep, presence_penalty=pres,
+                                           frequency_penalty=freq),
+    st.sampled_from([1.0, 0.5, 1.3, 2.0]), st.sampled_from([0.0, 0.7, -1.5, 2.0]),
+    st.sampled_from([0.0, 0.4, -0.9, 2.0]))
+
+
+class Fixed:  # a history that keeps nothing (no attribute can be set): its ids seen are made each step
+    __slots__ = ("token_ids", "num_prompt_tokens")
+
+    def __init__(self, prompt: list[int], output: list[int]) -> None:
+        self.token_ids, self.num_prompt_tokens = prompt + output, len(prompt)
+
+
+@settings(max_examples=120, deadline=None)
+@given(rows=st.lists(st.tuples(penalty_params, st.lists(tokens, min_size=1, max_size=30), st.booleans()),
+                     min_size=1, max_size=5),
+       steps=st.lists(st.lists(st.lists(tokens, max_size=3), min_size=5, max_size=5), min_size=1, max_size=12),
+       restart=st.integers(0, 12), seed=st.integers(0, 2**31))
+def test_penalties_follow_each_history_as_it_grows(rows, steps, restart, seed):
+    """The penalties keep each sequence's ids seen and their counts as its history grows
+    (worker/penalties.py): step after step, with 0-3 tokens added to a row between steps (a
+    prompt's chunks, a preemption's recompute), a history replaced by another (new tokens from
+    its prompt on), and histories that keep nothing, the logits are transformers' processors'
+    on the whole history."""
+    g = torch.Generator().manual_seed(seed)
+    params = [p for p, _, _ in rows]
+    hists = [(Hist if keeps else Fixed)(prompt, []) for _, prompt, keeps in rows]
+    for k, added in enumerate(steps):
+        if k == restart:  # a history replaced (a new list): the ids seen must not carry over
+            hists[0].token_ids = hists[0].token_ids[:hists[0].num_prompt_tokens]
+        for h, more in zip(hists, added):
+            h.token_ids.extend(more)  # in place, as the engine appends a sampled token
+        logits = torch.randn(len(rows), V, generator=g) * 4
+        logits[0, :3] = 0.0  # zeros: a penalty must not turn one into -0.0 or touch it
+        got = process_logits(logits, params, hists, eos_ids={EOS})
+        for r, (p, h) in enumerate(zip(params, hists)):
+            want = hf_processors(p, h.num_prompt_tokens, EOS)(torch.tensor([h.token_ids]), logits[r:r + 1].clone())[0]
+            torch.testing.assert_close(got[r], want, rtol=1e-6, atol=1e-5)  # (the reference sums in another order)
+            assert torch.equal(got[r][logits[r] == 0.0].signbit(), want[logits[r] == 0.0].signbit()), (k, r)
+
+
 def test_rows_without_processing_are_untouched_and_share_no_tensor():
     logits = torch.randn(3, V)
     plain = [SamplingParams(temperature=0.0)] * 3
