@@ -18,6 +18,7 @@ skipped tokens: UNAVAILABLE "no worker is alive to take the request"."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import uuid
 from collections import deque
 from typing import AsyncIterator
@@ -121,7 +122,7 @@ class Channel:
         for rid, box in list(self.inboxes.items()):
             self.abort_soon(rid)  # (a move not read yet: its import is dropped there, and its marker here)
             box.items = deque(i for i in box.items if not (isinstance(i, StreamChunk) and i.migrated_to is not None))
-            box.put(err)
+            box.put(copy.copy(err))  # one each: a request marks its error as counted
 
     async def call(self, msg):
         fut = asyncio.get_running_loop().create_future()
@@ -137,6 +138,8 @@ class Channel:
                 pass
         if self.dead is not None:
             raise self.dead
+        if getattr(self.client, "cut_with", None) is not None:  # its frontend ended every request: no new one
+            raise copy.copy(self.client.cut_with)
         if rid in self.inboxes or rid in self.draining:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
         box = self.inboxes[rid] = Inbox()
@@ -208,7 +211,7 @@ class Channel:
                 rid = _rid((kind, arg))
                 box = self.inboxes.get(rid)
                 if box is not None:
-                    box.put(err)
+                    box.put(copy.copy(err))  # one each: a request marks its error as counted
                 else:  # never applied: nothing more will come for it
                     self._release(rid)
 
@@ -272,7 +275,7 @@ class Channel:
         self._fail_batch(self.outgoing, err)
         self.outgoing, self.inflight = [], []
         for box in self.inboxes.values():
-            box.put(err)
+            box.put(copy.copy(err))  # one each: a request marks its error as counted
         for rid in list(self.draining):
             self._release(rid)
         for t in (self.reader, self.sender):

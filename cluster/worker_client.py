@@ -55,6 +55,7 @@ class RayWorkerClient:
         self._handles: dict = {}
         self._channels: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> {wid: Channel}
         self._dropping: set[asyncio.Task] = set()  # drop_moved's calls under way
+        self.cut_with: BaseException | None = None  # set by `cut`: every stream after it fails with it
 
     def handle(self, wid: str):
         import ray
@@ -132,7 +133,9 @@ class RayWorkerClient:
 
     def cut(self, err: BaseException) -> None:
         """End every request streamed through this client with `err`, each aborted on its worker
-        (Channel.cut), on whichever event loop its channel is."""
+        (Channel.cut), on whichever event loop its channel is; a stream opened after (an HTTP
+        request whose body came in after the cut, a move's attach) fails with it at once."""
+        self.cut_with = err
         here = asyncio.get_running_loop()
         for loop, channels in list(self._channels.items()):
             for ch in list(channels.values()):

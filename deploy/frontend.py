@@ -16,6 +16,7 @@ ones; each frontend maps them to its status codes.
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import os
 import time
@@ -125,6 +126,7 @@ class Frontend:
         self.router = router or Router(state, RayWorkerClient(cfg.namespace, cfg.namespace), cfg.router)
         self.metrics = Metrics(ClusterState(cfg.redis_url, cfg.namespace), cfg.model_name)
         self.in_flight = 0
+        self.cut_with: BaseException | None = None  # set by `cut`: requests admitted after it fail with it
         self.grammars = GrammarChecks(self.tokenizer, self.vocab_size)  # structured output's, before admission
 
     # ---- prompts and checks ------------------------------------------------------------
@@ -173,6 +175,8 @@ class Frontend:
         return default_max_tokens(self.cfg.max_model_len, self.cfg.block_size, kv, n_prompt, n)
 
     def admit(self, count: int = 1) -> Admission:
+        if self.cut_with is not None:  # a drain's end (cut): this replica takes no more
+            raise copy.copy(self.cut_with)
         if self.in_flight + count > self.cfg.max_num_requests:
             raise OverloadedError(f"{self.in_flight} requests in flight: the admission queue is full")
         self.in_flight += count
@@ -250,5 +254,8 @@ class Frontend:
     def cut(self, err: BaseException) -> None:
         """End every request streaming through this frontend with `err` (a drain's end,
         replica_drain.py): each is aborted on its worker, and its client gets the error as its
-        answer or its stream's last event."""
+        answer or its stream's last event; a request that comes after gets it too (a pipelined
+        one, a body that came in after the cut: their streams were cut mid-body half a second
+        later, an attack found)."""
+        self.cut_with = err
         self.router.client.cut(err)

@@ -6,6 +6,7 @@ calls go to it directly). Each client gets a 503 it can act on (`server_shutting
 stream as its last event before `data: [DONE]`, after every token made before the cut; a
 request not streamed as its answer. Each request is aborted on its worker (no token made
 after, every KV block free), and none is tried again elsewhere through the replica that goes.
+A request that comes after the cut is refused with the same 503 before any answer starts.
 Before, the cut closed the connections: a stream ended inside its body (the `openai` client
 raised "Connection error."), a request not streamed got the server's bare 503."""
 
@@ -87,6 +88,21 @@ def test_a_cut_ends_every_request_with_a_503_and_aborts_it_on_its_worker(model):
         assert await w._call(lambda e: e.num_generated_tokens) == made, "a request ran on after the cut"
         assert made < 3 * 200 / 2, "the requests ran on long after the cut"
         assert frontend.in_flight == 0 and OneWorker.picked == 0  # none tried again elsewhere
+        # a request after the cut (pipelined behind a stream, or its body in after the cut) is refused as
+        # it comes, a 503 before any byte of an answer: it was streamed, then cut mid-body 0.5 s later
+        for body in ({**long, "prompt": "later", "stream": True}, {**long, "prompt": "later"}):
+            with pytest.raises(ShuttingDownError) as e:
+                await oai.completions(frontend, body)
+            assert http_error(e.value).status == 503 and e.value is not frontend.cut_with  # each its own
+        with pytest.raises(ShuttingDownError):  # refused at admission, before it is routed at all
+            frontend.admit(1)
+        from folio.worker.messages import GenerateRequest
+        from folio.worker.sampling_params import SamplingParams
+        with pytest.raises(ShuttingDownError):  # a stream opened after (a move's attach): refused too
+            async for _ in client.generate("w0", GenerateRequest(request_id="after", prompt_token_ids=[5, 6],
+                                                                 params=SamplingParams(max_tokens=5))):
+                pass
+        assert frontend.in_flight == 0 and (await w.stats())["num_running"] == 0
         await w.check_invariants()
 
     asyncio.run(main())
