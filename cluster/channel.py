@@ -122,7 +122,7 @@ class Channel:
         for rid, box in list(self.inboxes.items()):
             self.abort_soon(rid)  # (a move not read yet: its import is dropped there, and its marker here)
             box.items = deque(i for i in box.items if not (isinstance(i, StreamChunk) and i.migrated_to is not None))
-            box.put(copy.copy(err))  # one each: a request marks its error as counted
+            box.put(copy.copy(err))  # one each (a ShuttingDownError: its message its only argument)
 
     async def call(self, msg):
         fut = asyncio.get_running_loop().create_future()
@@ -211,7 +211,7 @@ class Channel:
                 rid = _rid((kind, arg))
                 box = self.inboxes.get(rid)
                 if box is not None:
-                    box.put(copy.copy(err))  # one each: a request marks its error as counted
+                    box.put(err)
                 else:  # never applied: nothing more will come for it
                     self._release(rid)
 
@@ -275,7 +275,7 @@ class Channel:
         self._fail_batch(self.outgoing, err)
         self.outgoing, self.inflight = [], []
         for box in self.inboxes.values():
-            box.put(copy.copy(err))  # one each: a request marks its error as counted
+            box.put(err)
         for rid in list(self.draining):
             self._release(rid)
         for t in (self.reader, self.sender):
