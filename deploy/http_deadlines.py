@@ -60,6 +60,8 @@ import contextlib
 import socket
 import struct
 
+from folio.deploy.http10 import close_delimited
+
 HEADER_TIMEOUT_S = 30.0
 BODY_TIMEOUT_S = 60.0
 SEND_TIMEOUT_S = 60.0
@@ -130,6 +132,8 @@ class _Deadlines:
         old = self.__dict__.get("_cycle")
         if old is not None and old is not new and not old.response_complete:
             self._earlier = (*(c for c in self._earlier if not c.response_complete), old)
+        if new is not None and new.scope.get("http_version") == "1.0" and hasattr(new, "chunked_encoding"):
+            close_delimited(new)  # httptools' (h11 answers 1.0 right): no chunks to an HTTP/1.0 client (http10.py)
         self.__dict__["_cycle"] = new
 
     def connection_made(self, transport) -> None:

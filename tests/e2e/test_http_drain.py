@@ -132,6 +132,34 @@ def test_a_stream_in_flight_ends_whole_while_the_port_is_left_at_once(protocol, 
         server.close()
 
 
+@pytest.mark.parametrize("n", [0, 3])
+def test_an_http_1_0_stream_is_sent_as_it_comes_and_ended_by_the_close(protocol, n):
+    """A response of no stated length to an HTTP/1.0 request (every server-sent event stream)
+    is its body as it comes, ended by the connection's close (RFC 9112 section 6.3): httptools'
+    protocol sent it chunked, which HTTP/1.0 may not use, and a 1.0 client (or nginx's default
+    proxy_http_version 1.0) read the chunk sizes as text (deploy/http10.py). HTTP/1.1 keeps its
+    chunks; a response with a length keeps it."""
+    server = Server(protocol)
+    try:
+        s = connect(server.port)
+        s.sendall(f"GET /stream/{n} HTTP/1.0\r\nhost: x\r\n\r\n".encode())
+        head, _, body = read_to_close(s).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding" not in head.lower(), head
+        assert body == b"".join(b"chunk %d\n" % i for i in range(n)) + b"end\n", body
+        s = connect(server.port)
+        s.sendall(b"GET /ok HTTP/1.0\r\nhost: x\r\n\r\n")
+        head, _, body = read_to_close(s).partition(b"\r\n\r\n")
+        assert b"content-length: 2" in head.lower() and body == b"ok", (head, body)
+        s = connect(server.port)
+        get(s, f"/stream/{n}")
+        head = read_until(s, b"\r\n\r\n")
+        assert b"transfer-encoding: chunked" in head.lower(), head
+        assert read_until(s, b"0\r\n\r\n", head).endswith(b"end\n\r\n0\r\n\r\n")
+        s.close()
+    finally:
+        server.close()
+
+
 def test_what_outlasts_the_grace_is_cut_at_its_end(protocol):
     server = Server(protocol)
     try:
