@@ -589,9 +589,10 @@ def test_a_worker_frozen_mid_move_is_restarted_and_the_coordinator_goes_on(clust
 
 def fault_under_load(cluster, model_dirs, fault) -> list[float]:
     """`fault(pid)` on w1's process while one request streams from it and one from w0: the one on
-    w1 fails with a clear error (no hang), w0's finishes, fresh requests run on w0, and w1 comes
-    back (a new process, registered again, serving a pinned request as the offline engine does
-    and picked by the router again). Returns how long after the fault the request on w1 failed."""
+    w1 fails with a clear error (no hang), w0's finishes, fresh requests are served whole (on w0,
+    or on w1 once back), and w1 comes back (a new process, registered again, serving a pinned
+    request as the offline engine does and picked by the router again). Returns how long after
+    the fault the request on w1 failed."""
     import redis
 
     params = SamplingParams(max_tokens=170, temperature=0.0, ignore_eos=True)  # 24 blocks: one per worker
@@ -623,7 +624,7 @@ def fault_under_load(cluster, model_dirs, fault) -> list[float]:
         fault(pid)
         t_fault = time.monotonic()
         # right after the fault Redis still lists w1 for up to its TTL: requests sent there
-        # before they stream anything are re-run on w0
+        # before they stream anything are re-run on w0 (or wait for the restarted w1): none fails
         fresh = [await run(rr, GenerateRequest(request_id=f"f{i}", prompt_token_ids=list(range(50 + i, 60 + i)),
                                                params=SamplingParams(max_tokens=3)))
                  for i in range(4)]
@@ -656,7 +657,11 @@ def fault_under_load(cluster, model_dirs, fault) -> list[float]:
     assert all(isinstance(e, UnavailableError) and "w1" in str(e) for e in failed), failed
     assert len(failed) == 1  # round-robin put one of the two on w1: it fails clearly, none hangs
     assert [r for r in results if not isinstance(r, BaseException)] == [170]  # w0's finishes
-    assert all(ws == ["w0"] * len(ws) and len(t) == 3 for t, ws in fresh)
+    # each served whole by one worker: w0, or the restarted w1 when the Ray call that opens a channel to it
+    # came while Ray restarted it (Ray queues such a call until the restart). A clean-clone run, 2026-12-07,
+    # failed "all on w0 with 3 tokens" once, w1 back 3.4 s after the fault; which half failed was not
+    # recorded (the message now prints them)
+    assert all(len(t) == 3 and len(set(ws)) == 1 for t, ws in fresh), fresh
     assert ray.get(w1.pid.remote()) != pid  # a new process
     assert pinned[1] == ["w1"] * len(pinned[1]) and pinned[0] == offline(model_dirs["llama"], [probe[0]], probe[1])[0]
     assert serving_s < max(fail_s) + RESTART_BOUND_S
