@@ -12,6 +12,7 @@ OUT_DIR/serve_local_<workload>.json (`make run`: .run/results/; plots under /tmp
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import re
 import signal
@@ -42,14 +43,16 @@ def start_server(model: str, workers: int, *extra: str, ready_timeout_s: float =
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env=dict(os.environ, RAY_AUTH_MODE="disabled"))
     deadline = time.monotonic() + ready_timeout_s
+    seen: collections.deque = collections.deque(maxlen=40)  # its last lines, printed if it never gets ready
     try:
         for line in server.stdout:
             if "folio serve: ready" in line:
                 print(line.strip(), flush=True)
                 return server, http, grpc_port
+            seen.append(line)
             if time.monotonic() > deadline:
-                raise SystemExit("folio serve did not start")
-        raise SystemExit("folio serve exited before it was ready")
+                raise SystemExit("folio serve did not start; its last lines:\n" + "".join(seen))
+        raise SystemExit("folio serve exited before it was ready; its last lines:\n" + "".join(seen))
     except BaseException:
         stop_server(server)
         raise
