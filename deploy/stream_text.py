@@ -56,7 +56,10 @@ class StreamText:
                 continue  # made after its stop string (or a duplicate end): dropped
             ts = self._text(d.index)
             ids, keep = d.token_ids, len(d.token_ids)
-            for k, t in enumerate(ids):
+            # the worker's "stop" ends on a stop token (EOS, stop_token_ids, the grammar's end): its text is
+            # not the output's, unless include_stop_str_in_output (vLLM's rule; the offline engine's too)
+            texts = keep - (d.finish_reason == "stop" and keep > 0 and not self.params.include_stop_str_in_output)
+            for k, t in enumerate(ids[:texts]):
                 if ts.append(t):
                     keep = k + 1
                     break

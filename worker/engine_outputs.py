@@ -79,12 +79,14 @@ class Postprocess:
         if seq.logprobs is not None:
             seq.logprobs.append(logprob)
         reason = stop = None
-        if p.detokenize and self.detokenizer is not None:  # none: a runner without a tokenizer (the simulation)
-            stop = self.detokenizer.append_token(seq, token)
         done_grammar = False
         if p.guided is not None:
             self.guided_grammars().accept(seq, token)
             done_grammar = seq.grammar.is_terminated()
+        stop_token = done_grammar or (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids
+        # a stop token's text is not the output's (vLLM's rule), unless include_stop_str_in_output
+        if p.detokenize and self.detokenizer is not None and (not stop_token or p.include_stop_str_in_output):
+            stop = self.detokenizer.append_token(seq, token)  # no detokenizer: a runner without a tokenizer
         if done_grammar:  # the output is complete (the grammar took its stop token)
             reason = "stop"
         elif not p.ignore_eos and token in self.eos_token_ids:
