@@ -53,11 +53,11 @@ def sampling_params(s: pb.SamplingParameters) -> SamplingParams:
 
 
 def _guided(s: pb.SamplingParameters) -> GuidedSpec | None:
-    asked = [GuidedSpec("json_schema", s.guided_json)] if s.guided_json else []
-    asked += [GuidedSpec("json_object")] if s.guided_json_object else []
-    asked += [GuidedSpec("regex", s.guided_regex)] if s.guided_regex else []
+    asked = [GuidedSpec("json_schema", s.guided_json, "guided_json")] if s.guided_json else []
+    asked += [GuidedSpec("json_object", "", "guided_json_object")] if s.guided_json_object else []
+    asked += [GuidedSpec("regex", s.guided_regex, "guided_regex")] if s.guided_regex else []
     asked += [GuidedSpec.choice(list(s.guided_choice))] if s.guided_choice else []
-    asked += [GuidedSpec("grammar", s.guided_grammar)] if s.guided_grammar else []
+    asked += [GuidedSpec("grammar", s.guided_grammar, "guided_grammar")] if s.guided_grammar else []
     if len(asked) > 1:
         raise InvalidRequestError("only one structured-output constraint (guided_*) at a time")
     if asked and asked[0].kind == "json_schema":

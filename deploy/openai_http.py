@@ -37,7 +37,7 @@ from folio.deploy.openai_response import respond
 from folio.deploy.openai_run import Run
 from folio.deploy.openai_schema import ChatCompletionRequest, CompletionRequest, parse
 from folio.worker.errors import InvalidRequestError
-from folio.worker.sampling_params import SamplingParams
+from folio.worker.sampling_params import MAX_TOKENS, SamplingParams
 
 
 def check_auth(api_key: str | None, authorization: str | None) -> None:
@@ -75,11 +75,16 @@ async def completion_prompts(frontend: Frontend, req: CompletionRequest) -> list
 def _too_many_prompts(frontend: Frontend, body) -> None:
     """Before anything runs per prompt (checks, parsing, tokenizing): a list of more prompts
     than the frontend can ever admit, or token ids that cannot fit, is refused at once (a
-    body of 2 million one-token prompts held the event loop for 17 s)."""
+    body of 2 million one-token prompts held the event loop for 17 s). Token ids are cut to
+    `truncate_prompt_tokens` first: 8,192 ids with truncate_prompt_tokens 100 were refused as
+    too long, while the same ids nested ([[ids]]) or as text were served."""
     p = body.get("prompt") if isinstance(body, dict) else None
     if not isinstance(p, list) or not p:
         return
     if isinstance(p[0], int):
+        k = body.get("truncate_prompt_tokens")
+        if type(k) is int and 1 <= k < len(p):  # kept to its last k ids first, as every other prompt form is
+            body["prompt"] = p = p[-k:]
         if len(p) >= frontend.cfg.max_model_len:
             raise InvalidRequestError(f"the prompt has {len(p)} tokens; max_model_len is {frontend.cfg.max_model_len}",
                                       param="prompt")
@@ -125,7 +130,9 @@ async def completions(frontend: Frontend, body: dict):
     _too_many_prompts(frontend, body)
     req = await parse_body(CompletionRequest, body)
     model = resolve_model(frontend, req.model)
-    n = req.sampling_params(1).n  # the cheap checks (and the refusals) before any tokenizing
+    # the cheap checks (and the refusals) before any tokenizing; max_tokens may be unknown yet, so its largest
+    # stands in (min_tokens is checked against the real one below: a stand-in of 1 refused min_tokens 4 alone)
+    n = req.sampling_params(MAX_TOKENS).n
     prompts = await completion_prompts(frontend, req)
     if req.max_tokens is not None:
         default = req.max_tokens
@@ -146,7 +153,7 @@ async def chat_completions(frontend: Frontend, body: dict):
     too_many_messages(frontend, body)
     req = await parse_body(ChatCompletionRequest, body)
     model = resolve_model(frontend, req.model)
-    n = req.sampling_params(1).n  # the cheap checks before the template is rendered
+    n = req.sampling_params(MAX_TOKENS).n  # the cheap checks before the template is rendered (as above)
     if req.tool_plan().renders and "tools" not in (getattr(frontend.tokenizer, "chat_template", None) or ""):
         raise InvalidRequestError("this model's chat template has no tool support: tools can only be given "
                                   'with tool_choice "none"', param="tools")

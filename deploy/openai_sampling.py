@@ -132,16 +132,16 @@ class SamplingRequest(RefusingModel):
                     raise InvalidRequestError("guided_json is not valid JSON", param="guided_json") from None
             else:
                 schema = self.guided_json
-            asked.append(("guided_json", GuidedSpec("json_schema", json.dumps(schema))))
+            asked.append(("guided_json", GuidedSpec("json_schema", json.dumps(schema), "guided_json")))
         if self.guided_regex is not None:
-            asked.append(("guided_regex", GuidedSpec("regex", self.guided_regex)))
+            asked.append(("guided_regex", GuidedSpec("regex", self.guided_regex, "guided_regex")))
         if self.guided_choice is not None:
             if not self.guided_choice or not all(self.guided_choice):
                 raise InvalidRequestError("guided_choice must be a non-empty list of non-empty strings",
                                           param="guided_choice")
             asked.append(("guided_choice", GuidedSpec.choice(self.guided_choice)))
         if self.guided_grammar is not None:
-            asked.append(("guided_grammar", GuidedSpec("grammar", self.guided_grammar)))
+            asked.append(("guided_grammar", GuidedSpec("grammar", self.guided_grammar, "guided_grammar")))
         if len(asked) > 1:
             raise InvalidRequestError(f"only one structured-output constraint at a time, got {[a for a, _ in asked]}",
                                       param=asked[1][0])

@@ -221,12 +221,12 @@ def tool_plan(tools: list | None, tool_choice) -> ToolPlan:
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": [
             {"type": "object", "properties": {"name": {"enum": [n]}, "parameters": p},
              "required": ["name", "parameters"], "additionalProperties": False} for n, p in params.items()]}}
-        return ToolPlan("required", list(tools), guided=GuidedSpec("json_schema", json.dumps(schema)))
+        return ToolPlan("required", list(tools), guided=GuidedSpec("json_schema", json.dumps(schema), "tools"))
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" \
             and isinstance(tool_choice.get("function"), dict):
         name = tool_choice["function"].get("name")
         if name not in by_name:
             raise InvalidRequestError(f"tool_choice names {name!r}, which is not in tools", param="tool_choice")
-        return ToolPlan("named", list(tools), name, GuidedSpec("json_schema", json.dumps(params[name])))
+        return ToolPlan("named", list(tools), name, GuidedSpec("json_schema", json.dumps(params[name]), "tools"))
     raise InvalidRequestError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
                               '{"name": ...}}', param="tool_choice")

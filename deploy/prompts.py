@@ -55,31 +55,31 @@ class Prompts:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # ---- checks ------------------------------------------------------------------------
-    def check_length(self, n_chars: int) -> None:
+    def check_length(self, n_chars: int, param: str = "prompt") -> None:
         if n_chars > self.max_model_len * self.max_token_chars:
             raise InvalidRequestError(f"the prompt has {n_chars} characters: more than max_model_len "
-                                      f"({self.max_model_len}) tokens whatever it tokenizes to")
+                                      f"({self.max_model_len}) tokens whatever it tokenizes to", param=param)
 
     def token_ids(self, ids: list[int]) -> list[int]:
         if not ids:
-            raise InvalidRequestError("the prompt is empty")
+            raise InvalidRequestError("the prompt is empty", param="prompt")
         return check_token_ids(ids, self.vocab_size)
 
     # ---- text --------------------------------------------------------------------------
     async def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not text:
-            raise InvalidRequestError("the prompt is empty")
+            raise InvalidRequestError("the prompt is empty", param="prompt")
         self.check_length(len(text))
         ids = await self.run(self.encode, text, add_special_tokens, False)
         if not ids:
-            raise InvalidRequestError("the prompt is empty")
+            raise InvalidRequestError("the prompt is empty", param="prompt")
         return ids
 
-    def encode(self, text: str, add_special: bool, split_special: bool) -> list[int]:
+    def encode(self, text: str, add_special: bool, split_special: bool, param: str = "prompt") -> list[int]:
         try:
             return self.tokenizer(text, add_special_tokens=add_special, split_special_tokens=split_special).input_ids
         except (TypeError, ValueError) as e:  # e.g. a lone UTF-16 surrogate, which UTF-8 cannot hold
-            raise InvalidRequestError(f"the prompt cannot be tokenized: {type(e).__name__}") from None
+            raise InvalidRequestError(f"the prompt cannot be tokenized: {type(e).__name__}", param=param) from None
 
     # ---- chat --------------------------------------------------------------------------
     async def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True,
@@ -87,18 +87,18 @@ class Prompts:
         """messages as openai_schema's `template_messages()` gives them (content a string; name,
         tool_calls, tool_call_id as transformers' templates expect); template_kwargs go to the template."""
         if not messages:
-            raise InvalidRequestError("messages must be a non-empty list")
+            raise InvalidRequestError("messages must be a non-empty list", param="messages")
         extra = (self._extra(messages, template_kwargs) if len(messages) < 256 else  # (off the loop when long)
                  await asyncio.to_thread(self._extra, messages, template_kwargs))
         ids = await self.run(self._chat, messages, add_generation_prompt, template_kwargs or {}, extra)
         if not ids:
-            raise InvalidRequestError("the prompt is empty")
+            raise InvalidRequestError("the prompt is empty", param="messages")
         return ids
 
     def _extra(self, messages: list[dict], template_kwargs: dict | None) -> list[list[str]]:
         """Each message's strings but its content, and the template kwargs', once the length is checked."""
         extra = [_strings(m, skip="content") for m in messages] + [_strings(template_kwargs or {})]
-        self.check_length(sum(len(m["content"]) for m in messages) + sum(len(s) for e in extra for s in e))
+        self.check_length(sum(len(m["content"]) for m in messages) + sum(len(s) for e in extra for s in e), "messages")
         return extra
 
     def _chat(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict, extra: list[list[str]]
@@ -108,7 +108,7 @@ class Prompts:
             if any(m.get("tool_calls") for m in messages) or kwargs:
                 raise InvalidRequestError("this model has no chat template: tool_calls and chat_template_kwargs "
                                           "cannot be rendered", param="messages")
-            return self.encode(plain_chat_prompt(messages), True, True)
+            return self.encode(plain_chat_prompt(messages), True, True, "messages")
         # the template renders names, tool calls and kwargs itself: their text cannot be kept
         # apart from its markers, so one holding a special token's text is refused
         self._refuse_special([s for e in extra for s in e], "a message's name, tool_calls or tool_call_id, or "
@@ -125,9 +125,9 @@ class Prompts:
         ids: list[int] = []
         for k, piece in enumerate(pieces):
             if k % 2:
-                ids += self.encode(messages[int(piece)]["content"], False, True)
+                ids += self.encode(messages[int(piece)]["content"], False, True, "messages")
             elif piece:
-                ids += self.encode(piece, False, False)
+                ids += self.encode(piece, False, False, "messages")
         return ids
 
     def _refuse_special(self, texts: list[str], what: str) -> None:
@@ -140,14 +140,15 @@ class Prompts:
         """A template that does not put each content in verbatim: tokenize it whole, and refuse
         contents that would become special tokens."""
         self._refuse_special([m["content"] for m in messages], "message content")
-        return self.encode(self._render(messages, add_generation_prompt, kwargs), False, False)
+        return self.encode(self._render(messages, add_generation_prompt, kwargs), False, False, "messages")
 
     def _render(self, messages: list[dict], add_generation_prompt: bool = True, kwargs: dict | None = None) -> str:
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                       tokenize=False, **(kwargs or {}))
         except Exception as e:  # the template itself raised (a jinja error on these messages)
-            raise InvalidRequestError(f"the chat template cannot render these messages: {e}") from None
+            raise InvalidRequestError(f"the chat template cannot render these messages: {e}",
+                                      param="messages") from None
 
     # ---- text of token ids (logprobs) ---------------------------------------------------
     def decode_each(self, ids: list[int]) -> list[str]:

@@ -21,15 +21,17 @@ cannot run on emitting spaces.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from folio.worker.errors import InvalidRequestError
+from folio.worker.schema_support import json_schema_ebnf
 from folio.worker.utf8_mask import Utf8Mask
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -49,66 +51,38 @@ TOO_AMBIGUOUS = ("is too ambiguous for the grammar engine to follow (nested repe
 @dataclass(frozen=True)
 class GuidedSpec:
     """What a request's output must match. `value`: the schema as JSON text (json_schema),
-    the pattern (regex), the choices as a JSON list (choice), the EBNF (grammar), "" (json_object)."""
+    the pattern (regex), the choices as a JSON list (choice), the EBNF (grammar), "" (json_object).
+    `param`: the request field it came from, which its refusals name (not part of its identity:
+    the same schema from guided_json or response_format is one compiled grammar)."""
     kind: str
     value: str = ""
+    param: str = field(default="response_format", compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise InvalidRequestError(f"guided decoding kind must be one of {KINDS}, got {self.kind!r}",
-                                      param="response_format")
+                                      param=self.param)
         if not isinstance(self.value, str) or len(self.value) > MAX_SPEC_CHARS:
             raise InvalidRequestError(f"a guided decoding spec is a string of at most {MAX_SPEC_CHARS} characters",
-                                      param="response_format")
+                                      param=self.param)
 
     @staticmethod
-    def choice(options: list[str]) -> "GuidedSpec":
-        return GuidedSpec("choice", json.dumps(list(options)))
+    def choice(options: list[str], param: str = "guided_choice") -> "GuidedSpec":
+        return GuidedSpec("choice", json.dumps(list(options)), param)
+
+
+def _plain(e: Exception) -> str:
+    """xgrammar's message without its log prefix ("[16:23:13] /project/cpp/regex_converter.cc:94: "): the
+    client gets what is wrong with its spec, not the library's paths or the first refusal's time (a refusal is
+    cached, and its message with it)."""
+    return re.sub(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ", "", str(e))[:300]
 
 
 def _regex_escape(s: str) -> str:
     return "".join("\\" + c if c in r".^$*+?{}[]\|()/" else c for c in s)
 
 
-# xgrammar 0.2.9 writes a string with minLength / maxLength as characters [^"\\\r\n]: a raw
-# control character (which JSON forbids in a string: json.loads refused "\x03" from a random
-# model) passes it. The same class as its unbounded strings, [^\0-\x1f"\\], fixes it.
-_BOUNDED_CHAR = r'[^\"\\\r\n]'
 _ANY_OBJECT = json.dumps({"type": "object"})  # json_object: OpenAI's JSON mode writes an object
-_JSON_CHAR = r'[^\0-\x1f\"\\]'
-
-
-# The deepest JSON schema document compiled (objects and arrays within each other). xgrammar's
-# EBNF grows with the square of the depth: a schema of objects nested 100 deep (document depth
-# 201) took 70 ms to compile here, 450 deep (16.7 KB, under MAX_SPEC_CHARS) ~9 s, during which
-# the worker compiling it ran no step. 128 keeps ~60 levels of data (OpenAI allows 10).
-MAX_SCHEMA_DEPTH = 128
-
-
-def _depth(doc) -> int:
-    deepest, todo = 0, [(doc, 1)]
-    while todo:
-        node, d = todo.pop()
-        if isinstance(node, (dict, list)):
-            deepest = max(deepest, d)
-            todo.extend((v, d + 1) for v in (node.values() if isinstance(node, dict) else node))
-    return deepest
-
-
-def json_schema_ebnf(schema: str) -> str:
-    """The EBNF of a JSON schema (compact: no free whitespace), as xgrammar writes it, mended."""
-    import xgrammar as xgr
-
-    try:
-        depth = _depth(json.loads(schema))
-    except RecursionError:  # deeper than Python's decoder follows
-        depth = None
-    except ValueError:  # not JSON: xgrammar's own error says so
-        depth = 0
-    if depth is None or depth > MAX_SCHEMA_DEPTH:
-        raise InvalidRequestError(f"the json schema is nested {depth or 'thousands of'} levels deep; at most "
-                                  f"{MAX_SCHEMA_DEPTH} are compiled", param="response_format")
-    return str(xgr.Grammar.from_json_schema(schema, any_whitespace=False)).replace(_BOUNDED_CHAR, _JSON_CHAR)
 
 
 @dataclass(frozen=True)
@@ -155,7 +129,7 @@ class Grammars:
             if g is not None:
                 self._cache.move_to_end(spec)
         if isinstance(g, _Refused):
-            raise InvalidRequestError(g.why, param="response_format")
+            raise InvalidRequestError(g.why, param=spec.param)
         return g
 
     def compiled(self, spec: GuidedSpec):
@@ -170,7 +144,7 @@ class Grammars:
                 g = _Refused(str(e))
             self._keep(spec, g)
         if isinstance(g, _Refused):
-            raise InvalidRequestError(g.why, param="response_format")
+            raise InvalidRequestError(g.why, param=spec.param)
         return g
 
     def _keep(self, spec: GuidedSpec, g) -> None:
@@ -199,11 +173,11 @@ class Grammars:
                     raise ValueError("choices must be a non-empty list of non-empty strings")
                 return c.compile_regex("(" + "|".join(_regex_escape(o) for o in options) + ")")
             return c.compile_grammar(spec.value)
-        except InvalidRequestError:
-            raise
+        except InvalidRequestError as e:
+            raise InvalidRequestError(str(e), param=spec.param) from None
         except Exception as e:  # xgrammar's errors: a schema, regex or grammar it cannot compile
-            raise InvalidRequestError(f"the {spec.kind.replace('_', ' ')} cannot be compiled: {str(e)[:300]}",
-                                      param="response_format") from None
+            raise InvalidRequestError(f"the {spec.kind.replace('_', ' ')} cannot be compiled: {_plain(e)}",
+                                      param=spec.param) from None
 
     def _allows_a_first_token(self, spec: GuidedSpec, g) -> None:
         """A grammar that allows no token at all (`root ::= root`) is refused here, by name: its
@@ -212,7 +186,7 @@ class Grammars:
         self._xgr.GrammarMatcher(g).fill_next_token_bitmask(bm, 0)
         if not bm.any():
             raise InvalidRequestError(f"the {spec.kind.replace('_', ' ')} matches no text: it allows no first token",
-                                      param="response_format")
+                                      param=spec.param)
 
     def check(self, spec: GuidedSpec | None) -> None:
         if spec is not None:
@@ -234,13 +208,15 @@ class Grammars:
         A request whose masks took too long (`bitmask`) fails here."""
         why = getattr(getattr(seq, "group", seq), "guided_too_slow", None)
         if why is not None:
-            raise InvalidRequestError(why, param="response_format")
+            raise InvalidRequestError(why, param=seq.params.guided.param)
         self.evaluating = seq
         try:
             if seq.grammar is None:
                 self.matcher(seq)  # replays every output token, this one included
-            elif not seq.grammar.accept_token(token):
-                raise InvalidRequestError(f"token {token} does not match the request's grammar")
+            elif not seq.grammar.accept_token(token):  # drawn from a row its other masks emptied
+                raise InvalidRequestError(f"the request's grammar and its other constraints (min_tokens, "
+                                          f"allowed_token_ids, bad_words, logit_bias) leave no token to draw (token "
+                                          f"{token} does not match the grammar)", param=seq.params.guided.param)
         finally:
             self.evaluating = None
 

@@ -9,12 +9,14 @@ promtool); gRPC reflection v1 and v1alpha."""
 import http.client
 import json
 import os
+import re
 import shutil
 import subprocess
 
 import grpc
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 from transformers import AutoTokenizer
 
 from folio.deploy import openai_schema as schema
@@ -244,7 +246,16 @@ def schema_noop(path, name, value) -> bool:
     ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x",
                                                    "schema": {"type": "nope"}}}}, "response_format"),
-    ("/v1/completions", {"guided_regex": "(unclosed"}, "response_format"),
+    ("/v1/completions", {"guided_regex": "(unclosed"}, "guided_regex"),
+    ("/v1/completions", {"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "number", "multipleOf": 0.5}}}}}}, "response_format"),
+    ("/v1/chat/completions", {"tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"not": {}}}}}}]}, "tools"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": [[]]}, "prompt"),
+    ("/v1/completions", {"prompt": ["a", ""]}, "prompt"),
+    ("/v1/completions", {"min_tokens": 17}, "min_tokens"),
     ("/v1/completions", {"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
     ("/v1/completions", {"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend"),
     ("/v1/completions", {"guided_json": "{not json"}, "guided_json"),
@@ -255,6 +266,72 @@ def schema_noop(path, name, value) -> bool:
 def test_the_issues_ignored_fields_are_refused(folio_server, path, body, param):
     base = COMPLETION_BASE if path == "/v1/completions" else CHAT_BASE
     refused(folio_server, path, {**base, **body}, param)
+
+
+def test_a_grammar_engines_message_reaches_the_client_without_its_log_prefix(folio_server):
+    """xgrammar's errors begin "[16:23:13] /project/cpp/regex_converter.cc:94: ": its paths, and the time of
+    the first refusal, replayed from the cache to every later one. The client gets what is wrong."""
+    for _ in range(2):  # the second from the cache
+        err = refused(folio_server, "/v1/completions", {**COMPLETION_BASE, "guided_regex": "(a"}, "guided_regex")
+        assert "cannot be compiled" in err["message"] and ".cc:" not in err["message"], err
+        assert not re.search(r"\[\d\d:\d\d:\d\d\]", err["message"]), err
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(min_tokens=st.integers(0, 16), chat=st.booleans(), stream=st.booleans())
+def test_min_tokens_alone_is_served(folio_server, min_tokens, chat, stream):
+    """min_tokens without max_tokens: checked against the default max_tokens (16 for completions, what
+    fits for chat), not against the stand-in of the cheap checks (it was refused as over "max_tokens=1")."""
+    path, base = ("/v1/chat/completions", CHAT_BASE) if chat else ("/v1/completions", COMPLETION_BASE)
+    body = {k: v for k, v in base.items() if k != "max_tokens"}
+    body.update(min_tokens=min_tokens, temperature=0, stream=stream)
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if chat:
+        body["max_completion_tokens"] = 16 if min_tokens % 2 else None
+    status, out = post(folio_server, path, body)
+    assert status == 200, out
+    usage = out["usage"] if not stream else json.loads(out.decode().split("data: ")[-2])["usage"]
+    assert min_tokens <= usage["completion_tokens"], (usage, min_tokens)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(length=st.integers(MAX_MODEL_LEN, MAX_MODEL_LEN + 600), k=st.integers(1, MAX_MODEL_LEN - 8))
+def test_token_ids_past_the_context_are_truncated_first(folio_server, length, k):
+    """truncate_prompt_tokens on a flat token-id prompt longer than the context: truncated, then
+    checked, as the nested form and text already were (the flat one was a 400, "the prompt has N tokens")."""
+    ids = [(7 * i) % 900 + 20 for i in range(length)]
+    body = {**COMPLETION_BASE, "truncate_prompt_tokens": k, "max_tokens": 2, "temperature": 0}
+    flat = post(folio_server, "/v1/completions", {**body, "prompt": ids})
+    nested = post(folio_server, "/v1/completions", {**body, "prompt": [ids]})
+    assert flat[0] == nested[0] == 200, (flat, nested)
+    assert flat[1]["usage"]["prompt_tokens"] == k and flat[1]["choices"][0]["text"] == nested[1]["choices"][0]["text"]
+    refused(folio_server, "/v1/completions", {**body, "prompt": ids, "truncate_prompt_tokens": None}, "prompt")
+
+
+def test_a_stop_tokens_text_is_not_in_the_output(folio_server, tokenizer):
+    """stop_token_ids (and EOS, and a grammar's end): the token ends the completion and counts, but its
+    text is not the output's unless include_stop_str_in_output (vLLM's rule), streamed or not."""
+    base = {**COMPLETION_BASE, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    free = post(folio_server, "/v1/completions", {**base, "logprobs": 0, "return_tokens_as_token_ids": True})[1]
+    first = [int(t.split(":")[1]) for t in free["choices"][0]["logprobs"]["tokens"]]
+    stop_id = first[2]
+    k = first.index(stop_id)
+    for include in (False, True):
+        for stream in (False, True):
+            status, out = post(folio_server, "/v1/completions", {**base, "stop_token_ids": [stop_id], "stream": stream,
+                                                                 "include_stop_str_in_output": include})
+            assert status == 200, out
+            if stream:
+                events = [json.loads(e) for e in out.decode().split("data: ")[1:-1]]
+                text = "".join(c["text"] for e in events for c in e["choices"])
+                reason = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+            else:
+                text, reason = out["choices"][0]["text"], [out["choices"][0]["finish_reason"]]
+            n = k + include  # the oracle: the same run cut by max_tokens, no stop token involved
+            cut = post(folio_server, "/v1/completions", {**base, "max_tokens": max(n, 1)})[1]
+            want = cut["choices"][0]["text"] if n else ""
+            assert (text, reason) == (want, ["stop"]), (include, stream, text, want)
 
 
 def test_no_op_and_unknown_fields_are_served(folio_server):
