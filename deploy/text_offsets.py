@@ -9,9 +9,12 @@ follows one choice the same way, delta by delta:
   what the text stream got from it (nothing while its character is unfinished; a token that
   completes a character begun in an earlier token or delta, a byte-level piece of an emoji or
   a CJK character, adds that character; a SentencePiece word keeps its leading space);
-- text held back from earlier deltas comes first in a delta's text, and a token's offset is
-  clipped to its delta's text (a held-back or stop-cut token starts where its delta's text
-  ends).
+- text held back from earlier deltas comes first in a delta's text; a token's offset is where
+  its text starts in the choice's text, in whichever delta that text goes out (vLLM's, and
+  `text[offset:offset + len(token)] == token`). They were clipped to the token's own delta,
+  so a token whose text a stop string held back pointed at its delta's end: 3 of 8 offsets
+  wrong for `stop: "akSet"` against vLLM's (a differential test, 2026-12-07). A token at or
+  after a stop string's cut points at or past the text's end, as vLLM's do.
 
 Decoding each delta's ids alone (what this replaced) put every token after a character split
 over two deltas one character early.
@@ -43,7 +46,8 @@ class TextOffsets:
             lengths = next((t for t in tries if sum(t) == chars - self.held), tries[0])
         out, inner = [], self.held
         for n in lengths:
-            out.append(offset + min(inner, chars))
+            # an echoed prompt (one delta) is clipped to its text; generated text is where it goes out
+            out.append(offset + (min(inner, chars) if self.stream is None else inner))
             inner += n
         self.held = max(0, self.held + sum(lengths) - chars)  # what a stop string cut stays cut
         return out

@@ -1,6 +1,7 @@
 """Completions' text_offset (deploy/text_offsets.py): each token's offset is where the frontend's
-text stream (TextStream, primed with the prompt's tail) emits its text, clipped to the text of
-the delta the token came in; streamed delta by delta and formatted whole alike. Generated
+text stream (TextStream, primed with the prompt's tail) emits its text, in whichever delta it
+goes out (not clipped to the token's own delta: a stop string's held-back text put offsets at
+the delta's end); streamed delta by delta and formatted whole alike. Generated
 texts mix characters of 1-4 UTF-8 bytes (split over several byte-level tokens, or over byte-
 fallback tokens), arbitrary delta sizes, and stop strings that hold text back and cut it."""
 
@@ -61,7 +62,7 @@ def stream(tok, prompt: list[int], ids: list[int], sizes: list[int], stop: str |
         delta = ts.delta(end)
         deltas.append((chunk, delta))
         got += offsets.offsets(tok, chunk, len(text), len(delta))
-        want += [min(max(pos[j], len(text)), len(text) + len(delta)) for j in range(i, i + len(chunk))]
+        want += pos[i:i + len(chunk)]
         text, i = text + delta, i + len(chunk)
         if end:
             return deltas, got, want, text
@@ -82,6 +83,12 @@ def test_text_offset_is_where_the_stream_puts_each_token(tok, prompt, gen, sizes
         stop = text[a:data.draw(st.integers(a + 1, min(len(text), a + 3)))]
     deltas, got, want, out = stream(tok, prompt_ids, ids, sizes, stop)
     assert got == want
+    # each token's text is at its offset, where the text holds it whole (what a client maps spans by)
+    ref = DecodeStream(ids=prompt_ids[-PROMPT_CONTEXT:], skip_special_tokens=True)
+    for t, o in zip([t for chunk, _ in deltas for t in chunk], got):
+        piece = ref.step(tok.backend_tokenizer, t) or ""
+        if piece and o + len(piece) <= len(out):
+            assert out[o:o + len(piece)] == piece, (out, o, piece)
     # the whole choice formatted at once (a non-streamed response): the same offsets
     entries = [{t: -1.0} for chunk, _ in deltas for t in chunk]
     spans, at = [], 0
@@ -90,7 +97,6 @@ def test_text_offset_is_where_the_stream_puts_each_token(tok, prompt, gen, sizes
         at += len(delta)
     whole = logprobs_completion(tok, entries, 0, spans, offsets=TextOffsets(prompt_ids[-PROMPT_CONTEXT:], True))
     assert whole["text_offset"] == want
-    assert all(0 <= o <= len(out) for o in got)
 
 
 def test_a_token_after_a_character_split_over_deltas(tok):
