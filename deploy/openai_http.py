@@ -130,23 +130,25 @@ async def completions(frontend: Frontend, body: dict):
     _too_many_prompts(frontend, body)
     req = await parse_body(CompletionRequest, body)
     model = resolve_model(frontend, req.model)
+    # echo with max_tokens 0: the prompt scored, nothing generated (the old OpenAI API's, vLLM's): one token is
+    # made, for the prompt's logprobs, and not shown (Run.echo_only)
+    echo_only = bool(req.echo) and req.max_tokens == 0
     # the cheap checks (and the refusals) before any tokenizing; max_tokens may be unknown yet, so its largest
     # stands in (min_tokens is checked against the real one below: a stand-in of 1 refused min_tokens 4 alone)
-    n = req.sampling_params(MAX_TOKENS).n
+    n = (replace_max_tokens(req, MAX_TOKENS) if echo_only else req.sampling_params(MAX_TOKENS)).n
     prompts = await completion_prompts(frontend, req)
-    if req.max_tokens is not None:
+    if req.max_tokens is not None and not echo_only:
         default = req.max_tokens
-    elif "max_tokens" in req.model_fields_set:  # an explicit null: what fits (vLLM)
-        default = min([await frontend.default_max_tokens(len(p), n) for p in prompts])
-    else:  # absent: 16, or what fits if less
+    else:  # absent or null (vLLM 0.32 reads null as its default): 16, or what fits if less
         default = max(1, min([16] + [frontend.cfg.max_model_len - len(p) for p in prompts]))
-    params = fit_context(frontend.cfg.max_model_len, prompts, req.sampling_params(default))
+    params = fit_context(frontend.cfg.max_model_len, prompts,
+                         req.sampling_params(default) if not echo_only else replace_max_tokens(req, 1))
     echo = None
     if req.echo:  # the prompt as given; token ids (or a truncated prompt) decoded
         echo = [p if isinstance(p, str) and req.truncate_prompt_tokens is None
                 else await frontend.prompts.run(frontend.tokenizer.decode, ids)
                 for p, ids in zip(req.prompts(), prompts)]
-    return await _start(frontend, req, prompts, params, False, model, echo)
+    return await _start(frontend, req, prompts, params, False, model, echo, echo_only)
 
 
 async def chat_completions(frontend: Frontend, body: dict):
@@ -166,8 +168,17 @@ async def chat_completions(frontend: Frontend, body: dict):
     return await _start(frontend, req, [ids], params, True, model, None)
 
 
+def replace_max_tokens(req, max_tokens: int) -> SamplingParams:
+    """The request's sampling parameters with `max_tokens` in place of its own (echo with 0)."""
+    own, req.max_tokens = req.max_tokens, None
+    try:
+        return req.sampling_params(max_tokens)
+    finally:
+        req.max_tokens = own
+
+
 async def _start(frontend: Frontend, req, prompts: list[list[int]], params: SamplingParams, chat: bool, model: str,
-                 echo: list[str] | None):
+                 echo: list[str] | None, echo_only: bool = False):
     priority = 0 if req.priority is None else req.priority
     await frontend.check(prompts, params, priority)
     admission = frontend.admit(len(prompts))
@@ -176,7 +187,7 @@ async def _start(frontend: Frontend, req, prompts: list[list[int]], params: Samp
     except BaseException:
         admission.release()
         raise
-    run.echo = echo
+    run.echo, run.echo_only = echo, echo_only
     run.stream_interval = req.stream_interval if req.stream else None  # (vLLM ignores it unstreamed too)
     return await respond(frontend, req, run, chat, model)
 

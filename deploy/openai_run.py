@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import uuid
 from contextvars import ContextVar
 from typing import AsyncIterator
@@ -49,6 +50,7 @@ class Run:
         n_prompt = sum(len(p) for p in prompts)
         self.usage = {"prompt_tokens": n_prompt, "completion_tokens": 0, "total_tokens": n_prompt}
         self.echo: list[str] | None = None  # completions' echo: each prompt's text, put before its choices
+        self.echo_only = False  # echo with max_tokens 0: the token made for the prompt's logprobs is not shown
         self.prompt_logprobs: dict[int, list] = {}  # echo + logprobs: per prompt, from its first chunk
         self._echo_logprobs: dict[int, asyncio.Future] = {}  # per prompt: its echo's logprobs, formatted
         self._offsets: dict[int, TextOffsets] = {}  # per choice: its text_offset, delta by delta
@@ -124,7 +126,7 @@ class Run:
                 if head.prompt_logprobs is not None:
                     self.prompt_logprobs[0] = head.prompt_logprobs
                 for d in head.deltas:
-                    yield d.index, d
+                    yield d.index, self._shown(d)
                 tasks.append(asyncio.create_task(pump(0, gens[0])))
             open_ = len(tasks)
             while open_:
@@ -134,7 +136,7 @@ class Run:
                 elif isinstance(item, BaseException):
                     raise item
                 else:
-                    yield item
+                    yield item[0], self._shown(item[1])
         finally:  # stop every stream (a client gone, or an error, aborts all its requests)
             for t in tasks:
                 t.cancel()
@@ -147,6 +149,13 @@ class Run:
                 if self._hooks is not None:  # the connection keeps its last request: not this run
                     with contextlib.suppress(ValueError):
                         self._hooks.remove(self.abort_soon)
+
+    def _shown(self, d):
+        """The delta as the client gets it: with echo_only, no tokens, no text ("length", as vLLM's)."""
+        if not self.echo_only:
+            return d
+        return dataclasses.replace(d, token_ids=[], text="", num_tokens=0, logprobs=None,
+                                   finish_reason=d.finish_reason and "length")
 
     def count(self, d) -> None:
         self.usage["completion_tokens"] += len(d.token_ids)

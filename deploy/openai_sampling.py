@@ -63,6 +63,7 @@ class SamplingRequest(RefusingModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None  # only xgrammar (or "auto")
+    structured_outputs: dict[str, Any] | None = None  # vLLM 0.32's: {"json" | "regex" | "choice" | "grammar" | ...}
     truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep the prompt's last k tokens (vLLM)
     return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:<id>" (vLLM)
     request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)  # the response's id
@@ -142,6 +143,8 @@ class SamplingRequest(RefusingModel):
             asked.append(("guided_choice", GuidedSpec.choice(self.guided_choice)))
         if self.guided_grammar is not None:
             asked.append(("guided_grammar", GuidedSpec("grammar", self.guided_grammar, "guided_grammar")))
+        if self.structured_outputs is not None:
+            asked += structured_outputs(self.structured_outputs)
         if len(asked) > 1:
             raise InvalidRequestError(f"only one structured-output constraint at a time, got {[a for a, _ in asked]}",
                                       param=asked[1][0])
@@ -149,12 +152,13 @@ class SamplingRequest(RefusingModel):
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and (self.stream_options.include_usage or
-                                             self.stream_options.continuous_usage_stats))
+        return bool(self.stream_options and self.stream_options.include_usage)
 
     @property
     def continuous_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+        # with include_usage only, as vLLM's: alone it sent a usage chunk with no choices, which a client
+        # that never asked for usage reads as chunk.choices[0] (IndexError)
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
     def truncate(self, ids: list[int]) -> list[int]:
         k = self.truncate_prompt_tokens
@@ -172,3 +176,44 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
             raise InvalidRequestError(f"logit_bias keys must be token ids, got {k!r}", param="logit_bias")
         out[int(k)] = b
     return out
+
+
+# vLLM 0.32's `structured_outputs` (StructuredOutputsParams): the constraint kinds, and options that change
+# nothing in Folio (its JSON is always compact; xgrammar is its one backend)
+_SO_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+             "json_object": "json_object"}
+_SO_NO_OPS = {"disable_fallback", "disable_any_whitespace"}
+
+
+def structured_outputs(so) -> list[tuple[str, GuidedSpec]]:
+    """vLLM 0.32's `structured_outputs` as GuidedSpecs (one expected): it was ignored with a warning, and
+    the request ran unconstrained (a differential test against vLLM, 2026-12-07)."""
+    if not isinstance(so, dict):
+        raise InvalidRequestError("structured_outputs must be an object", param="structured_outputs")
+    asked = []
+    for key, value in so.items():
+        if value is None or (key in _SO_NO_OPS and isinstance(value, bool)) or (key == "json_object" and not value):
+            continue
+        if key not in _SO_KINDS:
+            raise InvalidRequestError(f"structured_outputs.{key} is not supported (Folio takes json, regex, choice, "
+                                      "grammar or json_object)", param="structured_outputs")
+        if key == "choice":
+            if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+                raise InvalidRequestError("structured_outputs.choice must be a non-empty list of non-empty strings",
+                                          param="structured_outputs")
+            asked.append(("structured_outputs", GuidedSpec.choice(value, "structured_outputs")))
+            continue
+        if key == "json":
+            try:
+                value = json.dumps(value if not isinstance(value, str) else json.loads(value))
+            except ValueError:
+                raise InvalidRequestError("structured_outputs.json is not valid JSON", param="structured_outputs") \
+                    from None
+        elif key != "json_object" and not isinstance(value, str):
+            raise InvalidRequestError(f"structured_outputs.{key} must be a string", param="structured_outputs")
+        asked.append(("structured_outputs", GuidedSpec(_SO_KINDS[key], "" if key == "json_object" else value,
+                                                       "structured_outputs")))
+    if len(asked) > 1:
+        raise InvalidRequestError("structured_outputs takes one kind of constraint at a time",
+                                  param="structured_outputs")
+    return asked

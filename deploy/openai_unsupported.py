@@ -55,6 +55,20 @@ UNSUPPORTED: dict[str, tuple] = {
     "kv_transfer_params": (is_empty, "kv_transfer_params is not supported"),
     "vllm_xargs": (is_empty, "vllm_xargs is not supported"),
     "mm_processor_kwargs": (is_empty, "mm_processor_kwargs is not supported (text-only models)"),
+    # vLLM 0.32's (they were ignored with a warning until 2026-12-07)
+    "logprob_token_ids": (is_empty, "logprob_token_ids is not supported"),
+    "repetition_detection": (lambda v: v is None, "repetition_detection is not supported"),
+    "return_token_ids": (falsy, "return_token_ids is not supported"),
+    "return_token_offsets": (falsy, "return_token_offsets is not supported"),
+    "thinking_token_budget": (lambda v: v is None, "thinking_token_budget is not supported (no reasoning parser)"),
+    "truncation_side": (lambda v: v is None or v == "left", 'truncation_side is not supported (other than "left": '
+                                                            "truncate_prompt_tokens keeps the prompt's last tokens)"),
+    "watermarking": (falsy, "watermarking is not supported"),
+    "session_id": (lambda v: v is None, "session_id is not supported"),
+    "ec_transfer_params": (is_empty, "ec_transfer_params is not supported"),
+    "mm_payload": (lambda v: v is None, "mm_payload is not supported (text-only models)"),
+    "return_mm_kwargs": (falsy, "return_mm_kwargs is not supported (text-only models)"),
+    "routed_experts_prompt_start": (lambda v: v is None, "routed_experts_prompt_start is not supported"),
 }
 UNSUPPORTED_COMPLETIONS: dict[str, tuple] = {
     "suffix": (is_empty, "suffix is not supported"),
@@ -75,6 +89,8 @@ UNSUPPORTED_CHAT: dict[str, tuple] = {
     "web_search_options": (lambda v: v is None, "web_search_options is not supported"),
     "reasoning_effort": (lambda v: v is None, "reasoning_effort is not supported"),
     "store": (falsy, "store is not supported: Folio stores no completions"),
+    "media_io_kwargs": (is_empty, "media_io_kwargs is not supported (text-only models)"),
+    "return_prompt_text": (falsy, "return_prompt_text is not supported"),
 }
 NO_OPS = ("user", "metadata", "parallel_tool_calls", "include_reasoning", "service_tier")
 SERVICE_TIERS = ("auto", "default")

@@ -88,6 +88,7 @@ class Prompts:
         tool_calls, tool_call_id as transformers' templates expect); template_kwargs go to the template."""
         if not messages:
             raise InvalidRequestError("messages must be a non-empty list", param="messages")
+        messages = developer_as_system(messages, getattr(self.tokenizer, "chat_template", None))
         extra = (self._extra(messages, template_kwargs) if len(messages) < 256 else  # (off the loop when long)
                  await asyncio.to_thread(self._extra, messages, template_kwargs))
         ids = await self.run(self._chat, messages, add_generation_prompt, template_kwargs or {}, extra)
@@ -169,3 +170,19 @@ def _strings(x, skip: str | None = None) -> list[str]:
         elif isinstance(v, list):
             stack.extend(v)
     return out
+
+
+def developer_as_system(messages: list[dict], template: str | None) -> list[dict]:
+    """OpenAI's `developer` role (its clients' name for system messages since o1) as `system` where the
+    chat template has no branch of its own for it, the system messages then merged into one at the start
+    (some templates take a system message only there), as vLLM does: a template without one spelled
+    `<|developer|>` out as plain text, 8 tokens of it (a differential test against vLLM, 2026-12-07)."""
+    if not any(m["role"] == "developer" for m in messages) or any(q in (template or "") for q in ('"developer"',
+                                                                                                 "'developer'")):
+        return messages
+    converted = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+    systems = [m["content"] for m in converted if m["role"] == "system"]
+    if len(systems) == 1 and converted[0]["role"] == "system":
+        return converted
+    return [{"role": "system", "content": "\n\n".join(c for c in systems if c)}] + [
+        m for m in converted if m["role"] != "system"]

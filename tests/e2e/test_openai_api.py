@@ -182,13 +182,18 @@ def test_tools_with_tool_choice_none_are_not_rendered(folio_server):
 # Written out from OpenAI's API reference and vLLM's protocol.py (CompletionRequest,
 # ChatCompletionRequest), independent of the schema module: each must be a typed field
 # (honoured), a no-op documented as one, or in the refusal tables.
+# vLLM 0.32's own, read from its CompletionRequest and ChatCompletionRequest (both; chat adds two)
+VLLM_032 = """structured_outputs stream_interval ec_transfer_params logprob_token_ids mm_payload repetition_detection
+return_mm_kwargs return_token_ids return_token_offsets routed_experts_prompt_start session_id thinking_token_budget
+truncation_side watermarking""".split()
 COMPLETION_FIELDS = """model prompt best_of echo frequency_penalty logit_bias logprobs max_tokens n presence_penalty
 seed stop stream stream_options suffix temperature top_p user use_beam_search top_k min_p repetition_penalty
 length_penalty stop_token_ids include_stop_str_in_output ignore_eos min_tokens skip_special_tokens
 spaces_between_special_tokens truncate_prompt_tokens allowed_token_ids prompt_logprobs add_special_tokens
 response_format guided_json guided_regex guided_choice guided_grammar guided_decoding_backend
 guided_whitespace_pattern priority request_id logits_processors return_tokens_as_token_ids cache_salt
-kv_transfer_params vllm_xargs prompt_embeds""".split()
+kv_transfer_params vllm_xargs prompt_embeds""".split() + VLLM_032
+
 CHAT_FIELDS = """messages model frequency_penalty logit_bias logprobs top_logprobs max_tokens max_completion_tokens n
 presence_penalty response_format seed stop stream stream_options temperature top_p tools tool_choice
 reasoning_effort include_reasoning parallel_tool_calls user best_of use_beam_search top_k min_p repetition_penalty
@@ -198,7 +203,7 @@ add_generation_prompt continue_final_message add_special_tokens documents chat_t
 mm_processor_kwargs guided_json guided_regex guided_choice guided_grammar structural_tag guided_decoding_backend
 guided_whitespace_pattern priority request_id logits_processors return_tokens_as_token_ids cache_salt
 kv_transfer_params vllm_xargs audio modalities prediction store metadata service_tier web_search_options
-functions function_call""".split()
+functions function_call media_io_kwargs return_prompt_text""".split() + VLLM_032
 NOOP_CANDIDATES = [None, 0, 1, False, True, {}, [], "", {"type": "text"}, "none", ["text"]]
 
 
@@ -405,9 +410,75 @@ def test_completions_without_max_tokens_get_16_or_what_fits(folio_server):
     for n_prompt, want in [(20, 16), (250, 6)]:
         out = post(folio_server, "/v1/completions", {"prompt": list(range(10, 10 + n_prompt)), "ignore_eos": True})[1]
         assert out["usage"]["completion_tokens"] == want, out
-    out = post(folio_server, "/v1/completions", {"prompt": list(range(10, 200)), "ignore_eos": True,
-                                                 "max_tokens": None})[1]  # explicit null: what fits
-    assert out["usage"]["completion_tokens"] == MAX_MODEL_LEN - 190
+    # an explicit null reads as the default, as vLLM 0.32 has it (normalize_null_max_tokens); it was "what fits"
+    # here, 30x longer answers for a client that sends unset fields as null
+    for n_prompt, want in [(20, 16), (250, 6)]:
+        out = post(folio_server, "/v1/completions", {"prompt": list(range(10, 10 + n_prompt)), "ignore_eos": True,
+                                                     "max_tokens": None})[1]
+        assert out["usage"]["completion_tokens"] == want, out
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_and_makes_nothing(folio_server):
+    """The old OpenAI API's way to score a prompt (vLLM's too): echo, logprobs, max_tokens 0. It was a 400."""
+    body = {"prompt": ["def f(x):", "import os"], "echo": True, "logprobs": 1, "max_tokens": 0, "temperature": 0}
+    status, out = post(folio_server, "/v1/completions", body)
+    assert status == 200, out
+    one = post(folio_server, "/v1/completions", {**body, "max_tokens": 1})[1]
+    assert out["usage"]["completion_tokens"] == 0 and out["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]
+    for c, c1 in zip(out["choices"], one["choices"]):
+        n = len(c["logprobs"]["tokens"])
+        assert c["finish_reason"] == "length" and c["text"] == body["prompt"][c["index"]]
+        assert n == len(c1["logprobs"]["tokens"]) - 1  # the prompt's tokens, not the one made
+        assert {k: c1["logprobs"][k][:n] for k in c["logprobs"]} == c["logprobs"]
+    status, out = post(folio_server, "/v1/completions", {**body, "stream": True})
+    events = [json.loads(e) for e in out.decode().split("data: ")[1:-1]]
+    assert status == 200 and "".join(ch["text"] for e in events for ch in e["choices"]) == "def f(x):import os"
+    refused(folio_server, "/v1/completions", {**body, "echo": False}, "max_tokens")  # without echo: still a 400
+
+
+def test_continuous_usage_stats_needs_include_usage(folio_server):
+    """As vLLM's: usage in every chunk only with include_usage too; alone it sent a last chunk with no
+    choices, which a client that never asked for usage reads as chunk.choices[0] (IndexError)."""
+    base = {**COMPLETION_BASE, "stream": True, "max_tokens": 4}
+    for opts, every, last in [({"continuous_usage_stats": True}, False, False),
+                              ({"continuous_usage_stats": True, "include_usage": True}, True, True),
+                              ({"include_usage": True}, False, True)]:
+        status, out = post(folio_server, "/v1/completions", {**base, "stream_options": opts})
+        events = [json.loads(e) for e in out.decode().split("data: ")[1:-1]]
+        assert status == 200 and all(bool(e["choices"]) != (last and i == len(events) - 1)
+                                     for i, e in enumerate(events)), (opts, events)
+        assert all((e.get("usage") is not None) == (every or (last and not e["choices"])) for e in events), opts
+
+
+def test_a_developer_message_is_a_system_message_where_the_template_has_none(folio_server, tokenizer):
+    """OpenAI's clients send `developer` for system messages; a template without that role spelled
+    `<|developer|>` out as text. As vLLM: read as system, merged with the system messages at the start."""
+    tok = lambda msgs: post(folio_server, "/tokenize", {"messages": msgs})[1]["tokens"]  # noqa: E731
+    user = {"role": "user", "content": "x"}
+    assert tok([{"role": "developer", "content": "be nice"}, user]) == tok([{"role": "system", "content": "be nice"},
+                                                                             user])
+    assert tok([{"role": "system", "content": "a"}, user, {"role": "developer", "content": "b"}]) == tok(
+        [{"role": "system", "content": "a\n\nb"}, user])
+
+
+@pytest.mark.parametrize("so, check", [
+    ({"choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
+    ({"regex": "[a-c]{3}"}, lambda t: re.fullmatch("[a-c]{3}", t)),
+    ({"json": {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
+               "additionalProperties": False}}, lambda t: isinstance(json.loads(t)["a"], bool)),
+    # (the random model writes one long string: "length" with an object begun is what is checked)
+    ({"json_object": True, "disable_any_whitespace": True}, lambda t: t.startswith('{"')),
+])
+def test_vllm_032_structured_outputs_constrain_the_output(folio_server, so, check):
+    """vLLM 0.32's `structured_outputs` was ignored with a warning, and the output unconstrained."""
+    for path, base in (("/v1/completions", COMPLETION_BASE), ("/v1/chat/completions", CHAT_BASE)):
+        status, out = post(folio_server, path, {**base, "max_tokens": 60, "structured_outputs": so})
+        assert status == 200, out
+        c = out["choices"][0]
+        text = c["text"] if "text" in c else c["message"]["content"]
+        assert (c["finish_reason"] == "stop" or "json_object" in so) and check(text), (so, text)
+    for bad in ({"regex": "a", "choice": ["b"]}, {"structural_tag": "x"}, {"choice": []}, {"json": "{x"}, "x"):
+        refused(folio_server, "/v1/completions", {**COMPLETION_BASE, "structured_outputs": bad}, "structured_outputs")
 
 
 # ---- /tokenize, /detokenize, /version ----------------------------------------------------------
