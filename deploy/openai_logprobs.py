@@ -31,8 +31,11 @@ def logprobs_completion(tok, entries: list[dict], k: int, spans: list[tuple[int,
         chosen = next(iter(d))
         tokens.append(text(chosen))
         lps.append(d[chosen])
-        # an echoed prompt's first token: nothing predicts it (null, as OpenAI and vLLM)
-        tops.append(None if d[chosen] is None else {text(t): lp for t, lp in _top(d, k)})
+        # an echoed prompt's first token: nothing predicts it (null, as OpenAI and vLLM); else the top k and the
+        # token itself, as the legacy API promises ("up to logprobs + 1") and vLLM does: it was the top k alone, so
+        # logprobs 0 gave {} and top_logprobs[i][token] failed for a token outside them (a differential test).
+        # The token last: where two ids read the same ("\ufffd", a character's partial bytes) its own logprob wins
+        tops.append(None if d[chosen] is None else {text(t): lp for t, lp in _top(d, k) + [(chosen, d[chosen])]})
     ids, at = [next(iter(d)) for d in entries], 0
     offsets = offsets or TextOffsets()
     for offset, chars, count in spans:

@@ -436,6 +436,22 @@ def test_echo_with_max_tokens_0_scores_the_prompt_and_makes_nothing(folio_server
     refused(folio_server, "/v1/completions", {**body, "echo": False}, "max_tokens")  # without echo: still a 400
 
 
+def test_completions_top_logprobs_hold_the_token_itself(folio_server):
+    """The legacy API's "up to logprobs + 1" (vLLM's too): the token drawn is in its step's top_logprobs
+    even outside the top k. With logprobs 0 they were all {}; with a token forced by allowed_token_ids,
+    top_logprobs[i][token] raised KeyError."""
+    for extra in ({"logprobs": 0}, {"logprobs": 1, "allowed_token_ids": [77, 78]}, {"logprobs": 2, "echo": True}):
+        lp = post(folio_server, "/v1/completions", {**COMPLETION_BASE, "max_tokens": 4, **extra})[1]["choices"][0][
+            "logprobs"]
+        for top, token, logprob in zip(lp["top_logprobs"], lp["tokens"], lp["token_logprobs"]):
+            if logprob is None:  # an echoed prompt's first token
+                assert top is None
+                continue
+            assert top[token] == logprob and len(top) <= extra["logprobs"] + 1, (extra, top, token)
+        if extra["logprobs"] == 0:
+            assert all(len(t) == 1 for t in lp["top_logprobs"])
+
+
 def test_continuous_usage_stats_needs_include_usage(folio_server):
     """As vLLM's: usage in every chunk only with include_usage too; alone it sent a last chunk with no
     choices, which a client that never asked for usage reads as chunk.choices[0] (IndexError)."""
