@@ -75,6 +75,7 @@ class Choice:
 
     def __init__(self, prefix: str = "") -> None:
         self.texts, self.length, self.entries, self.spans, self.reason = [prefix], len(prefix), [], [], None
+        self.stop_reason = None  # the stop string or stop token id that ended it (vLLM's field)
 
     def add(self, d) -> None:
         if d.logprobs or d.text:
@@ -83,4 +84,4 @@ class Choice:
         self.texts.append(d.text)
         self.length += len(d.text)
         if d.finish_reason:
-            self.reason = d.finish_reason
+            self.reason, self.stop_reason = d.finish_reason, d.stop_reason

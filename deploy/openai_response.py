@@ -78,7 +78,9 @@ async def respond(frontend: Frontend, req, run: Run, chat: bool, model: str):
                 if calls:
                     message["tool_calls"] = calls
                     reason = "tool_calls" if reason == "stop" else reason
-            out.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
+            out.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason,
+                        "stop_reason": c.stop_reason})
         else:
-            out.append({"index": i, "text": text, "logprobs": lp, "finish_reason": c.reason})
+            out.append({"index": i, "text": text, "logprobs": lp, "finish_reason": c.reason,
+                        "stop_reason": c.stop_reason})
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": out, "usage": run.usage}

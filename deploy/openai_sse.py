@@ -48,7 +48,8 @@ async def sse(events, run, rid, obj, created, model, chat, req, frontend) -> Asy
                     delta["content"] = text
                 if calls:
                     delta["tool_calls"] = calls
-                choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
+                choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason,
+                          "stop_reason": d.stop_reason}
                 if d.logprobs and run.params.logprobs is not None:
                     choice["logprobs"] = logprobs_chat(tok, d.logprobs, run.params.logprobs, as_ids)
             else:
@@ -56,7 +57,8 @@ async def sse(events, run, rid, obj, created, model, chat, req, frontend) -> Asy
                 prefix = run.echo[i // run.params.n] if run.echo and i not in lengths else ""
                 at = lengths.get(i, 0) + len(prefix)
                 lengths[i] = at + len(d.text)
-                choice = {"index": i, "text": prefix + d.text, "logprobs": None, "finish_reason": d.finish_reason}
+                choice = {"index": i, "text": prefix + d.text, "logprobs": None, "finish_reason": d.finish_reason,
+                          "stop_reason": d.stop_reason}
                 if (d.logprobs or echoed) and run.params.logprobs is not None:
                     lp = logprobs_completion(tok, d.logprobs or [], run.params.logprobs,
                                              [(at, len(d.text), len(d.logprobs or []))], as_ids,

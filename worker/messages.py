@@ -47,6 +47,7 @@ class CompletionDelta:
     num_tokens: int  # output tokens of this completion so far, these included (checks continuity)
     finish_reason: FinishReason | None = None  # set on the completion's last delta
     logprobs: list[dict[int, float]] | None = None  # per new token: {token id: logprob}, when asked
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it (set by the frontend)
 
 
 @dataclass(kw_only=True)
@@ -72,7 +73,8 @@ def merge_chunks(a: StreamChunk, b: StreamChunk) -> StreamChunk:
             continue
         logprobs = None if p.logprobs is None and d.logprobs is None else (p.logprobs or []) + (d.logprobs or [])
         deltas[d.index] = CompletionDelta(index=d.index, token_ids=p.token_ids + d.token_ids, text=p.text + d.text,
-                                          num_tokens=d.num_tokens, finish_reason=d.finish_reason, logprobs=logprobs)
+                                          num_tokens=d.num_tokens, finish_reason=d.finish_reason, logprobs=logprobs,
+                                          stop_reason=d.stop_reason)
     return StreamChunk(request_id=b.request_id, worker_id=b.worker_id, deltas=list(deltas.values()),
                        finished=b.finished, migrated_to=b.migrated_to, num_preemptions=b.num_preemptions,
                        queue_s=a.queue_s if a.queue_s is not None else b.queue_s,

@@ -436,6 +436,33 @@ def test_echo_with_max_tokens_0_scores_the_prompt_and_makes_nothing(folio_server
     refused(folio_server, "/v1/completions", {**body, "echo": False}, "max_tokens")  # without echo: still a 400
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_stop_reason_names_the_stop_string_or_token(folio_server, path):
+    """vLLM's stop_reason on each choice: the stop string that matched, the stop token id, or null (EOS,
+    length); streamed on the finishing chunk. Folio never sent it, and clients with several stops use it."""
+    base = {**(COMPLETION_BASE if path == "/v1/completions" else CHAT_BASE), "max_tokens": 8, "ignore_eos": True}
+    free = post(folio_server, path, {**base, "logprobs": 0 if "chat" not in path else True,
+                                     "return_tokens_as_token_ids": True})[1]["choices"][0]["logprobs"]
+    ids = [int(t.split(":")[1]) for t in (free["tokens"] if "tokens" in free else [c["token"] for c in
+                                                                                     free["content"]])]
+    text = post(folio_server, path, base)[1]["choices"][0]
+    text = text["text"] if "text" in text else text["message"]["content"]
+    cases = [({}, None, "length"), ({"stop_token_ids": [ids[3]]}, ids[3], "stop")]
+    if len(text) > 4:
+        cases.append(({"stop": ["\x00never", text[2:4]]}, text[2:4], "stop"))
+    for extra, want, reason in cases:
+        for stream in (False, True):
+            status, out = post(folio_server, path, {**base, **extra, "stream": stream})
+            if stream:
+                ends = [c for e in out.decode().split("data: ")[1:-1] for c in json.loads(e)["choices"]
+                        if c["finish_reason"]]
+                assert len(ends) == 1, out
+                got = ends[0]
+            else:
+                got = out["choices"][0]
+            assert (got["finish_reason"], got["stop_reason"]) == (reason, want), (extra, stream, got)
+
+
 def test_completions_top_logprobs_hold_the_token_itself(folio_server):
     """The legacy API's "up to logprobs + 1" (vLLM's too): the token drawn is in its step's top_logprobs
     even outside the top k. With logprobs 0 they were all {}; with a token forced by allowed_token_ids,
