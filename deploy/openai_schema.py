@@ -28,7 +28,7 @@ from folio.deploy.openai_unsupported import (UNSUPPORTED, UNSUPPORTED_CHAT, UNSU
                                              StrictModel, is_empty)
 from folio.worker.errors import InvalidRequestError
 from folio.worker.guided import GuidedSpec
-from folio.worker.sampling_params import SamplingParams
+from folio.worker.sampling_params import MAX_LOGPROBS, SamplingParams
 
 Ids = list[int]
 log = logging.getLogger("folio.openai")
@@ -78,7 +78,11 @@ class ChatCompletionRequest(SamplingRequest):
             if self.top_logprobs:
                 raise InvalidRequestError("top_logprobs needs logprobs: true", param="top_logprobs")
             return None
-        return self.top_logprobs or 0
+        k = self.top_logprobs
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:  # named as sent (the check below names "logprobs")
+            raise InvalidRequestError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {k}",
+                                      param="top_logprobs")
+        return k or 0
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()

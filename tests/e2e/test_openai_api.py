@@ -261,6 +261,8 @@ def schema_noop(path, name, value) -> bool:
     ("/v1/completions", {"prompt": [[]]}, "prompt"),
     ("/v1/completions", {"prompt": ["a", ""]}, "prompt"),
     ("/v1/completions", {"min_tokens": 17}, "min_tokens"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ("/v1/completions", {"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
     ("/v1/completions", {"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend"),
     ("/v1/completions", {"guided_json": "{not json"}, "guided_json"),
