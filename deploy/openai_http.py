@@ -135,7 +135,7 @@ async def completions(frontend: Frontend, body: dict):
     echo_only = bool(req.echo) and req.max_tokens == 0
     # the cheap checks (and the refusals) before any tokenizing; max_tokens may be unknown yet, so its largest
     # stands in (min_tokens is checked against the real one below: a stand-in of 1 refused min_tokens 4 alone)
-    n = (replace_max_tokens(req, MAX_TOKENS) if echo_only else req.sampling_params(MAX_TOKENS)).n
+    replace_max_tokens(req, MAX_TOKENS) if echo_only else req.sampling_params(MAX_TOKENS)
     prompts = await completion_prompts(frontend, req)
     if req.max_tokens is not None and not echo_only:
         default = req.max_tokens

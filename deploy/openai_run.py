@@ -151,11 +151,12 @@ class Run:
                         self._hooks.remove(self.abort_soon)
 
     def _shown(self, d):
-        """The delta as the client gets it: with echo_only, no tokens, no text ("length", as vLLM's)."""
+        """The delta as the client gets it: with echo_only, no tokens, no text (its end "length", as vLLM's)."""
         if not self.echo_only:
             return d
-        return dataclasses.replace(d, token_ids=[], text="", num_tokens=0, logprobs=None,
-                                   finish_reason=d.finish_reason and "length")
+        reason = "length" if d.finish_reason in ("stop", "length") else d.finish_reason  # (an abort stays one)
+        return dataclasses.replace(d, token_ids=[], text="", num_tokens=0, logprobs=None, finish_reason=reason,
+                                   stop_reason=None)
 
     def count(self, d) -> None:
         self.usage["completion_tokens"] += len(d.token_ids)

@@ -72,7 +72,7 @@ def test_http_token_ids_out_of_range_are_400(folio_server, prompt):
 def test_chat_bounds_are_400(folio_server):
     msgs = [{"role": "user", "content": "hi"}]
     for extra, param in [({"logprobs": True, "top_logprobs": "x"}, "top_logprobs"),
-                         ({"logprobs": True, "top_logprobs": 21}, "logprobs"),
+                         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
                          ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages"),
                          ({"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
                          ({"messages": []}, "messages"), ({"messages": "hi"}, "messages")]:
