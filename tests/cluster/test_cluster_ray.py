@@ -248,8 +248,12 @@ def test_a_coordinator_that_dies_comes_back_and_plans_again(cluster):
     """Its process killed (Ray restarts it, as a worker), the coordinator's rounds go on by
     themselves: nobody calls `start` on a restart. Before, it was not restarted at all, and the
     cluster never moved a request again (an attack, 2026-12-06). The next test's moves are
-    then planned by the restarted one."""
+    then planned by the restarted one. The old process can still answer a call sent just after the
+    kill (its rounds >= 3 at once): the new one is told by its process id, or the next test could
+    take the dying process's id (a clean clone's run: its SIGSTOP found "No such process")."""
+    old = asyncio.run(until(lambda: coordinator_pid(cluster), "the coordinator's answer", 30))
     ray.kill(cluster.coordinator, no_restart=False)
+    asyncio.run(until(lambda: coordinator_pid(cluster) not in (None, old), "a new coordinator process", 60))
     deadline = time.monotonic() + 60
     while True:
         try:
