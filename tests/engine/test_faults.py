@@ -217,7 +217,10 @@ def test_worker_fails_the_blamed_request_only_and_an_engine_fault_fails_the_work
         got = await asyncio.gather(*(collect(GenerateRequest(request_id=f"x{i}", prompt_token_ids=[5, 6, 7 + i],
                                                              params=SamplingParams(**greedy)))
                                      for i in range(2)), return_exceptions=True)
-        assert all(isinstance(e, WorkerFailedError) and "device lost" in str(e) for e in got), got
+        # a request added after the failing step (the two submits race the step thread) is refused by the
+        # failed worker instead: both right (a clean clone's run got one of each, 2026-12-07)
+        lost = [e for e in got if isinstance(e, WorkerFailedError) and "device lost" in str(e)]
+        assert lost and all(e in lost or (isinstance(e, UnavailableError) and "failed" in str(e)) for e in got), got
         with pytest.raises(UnavailableError, match="failed"):
             await collect(GenerateRequest(request_id="late", prompt_token_ids=[1, 2], params=SamplingParams(**greedy)))
     try:
