@@ -170,11 +170,7 @@ async def chat_completions(frontend: Frontend, body: dict):
 
 def replace_max_tokens(req, max_tokens: int) -> SamplingParams:
     """The request's sampling parameters with `max_tokens` in place of its own (echo with 0)."""
-    own, req.max_tokens = req.max_tokens, None
-    try:
-        return req.sampling_params(max_tokens)
-    finally:
-        req.max_tokens = own
+    return req.model_copy(update={"max_tokens": None}).sampling_params(max_tokens)
 
 
 async def _start(frontend: Frontend, req, prompts: list[list[int]], params: SamplingParams, chat: bool, model: str,
