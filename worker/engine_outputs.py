@@ -78,24 +78,20 @@ class Postprocess:
         seq.token_ids.append(token)
         if seq.logprobs is not None:
             seq.logprobs.append(logprob)
-        reason = stop = None
-        done_grammar = False
+        reason = None
         if p.guided is not None:
             self.guided_grammars().accept(seq, token)
-            done_grammar = seq.grammar.is_terminated()
-        stop_token = done_grammar or (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids
-        # a stop token's text is not the output's (vLLM's rule), unless include_stop_str_in_output
-        if p.detokenize and self.detokenizer is not None and (not stop_token or p.include_stop_str_in_output):
-            stop = self.detokenizer.append_token(seq, token)  # no detokenizer: a runner without a tokenizer
-        if done_grammar:  # the output is complete (the grammar took its stop token)
-            reason = "stop"
-        elif not p.ignore_eos and token in self.eos_token_ids:
+        # the grammar complete (it took its stop token), EOS, or one of stop_token_ids
+        if (p.guided is not None and seq.grammar.is_terminated()) or (not p.ignore_eos and token in self.eos_token_ids):
             reason = "stop"
         elif token in p.stop_token_ids:
             reason, seq.stop_reason = "stop", token
-        elif stop is not None:
-            reason, seq.stop_reason = "stop", stop
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        # a stop token's text is not the output's (vLLM's rule), unless include_stop_str_in_output
+        if p.detokenize and self.detokenizer is not None and (reason is None or p.include_stop_str_in_output):
+            stop = self.detokenizer.append_token(seq, token)  # no detokenizer: a runner without a tokenizer
+            if reason is None and stop is not None:
+                reason, seq.stop_reason = "stop", stop
+        if reason is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
         if reason is not None:
             seq.finish_reason = reason
