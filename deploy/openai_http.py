@@ -35,6 +35,7 @@ from folio.deploy.frontend import Frontend, fit_context
 from folio.deploy.openai_errors import HTTPError
 from folio.deploy.openai_response import respond
 from folio.deploy.openai_run import Run
+from folio.deploy.openai_sampling import keep_tokens
 from folio.deploy.openai_schema import ChatCompletionRequest, CompletionRequest, parse
 from folio.worker.errors import InvalidRequestError
 from folio.worker.sampling_params import MAX_TOKENS, SamplingParams
@@ -68,8 +69,8 @@ def resolve_model(frontend: Frontend, model: str | None) -> str:
 # ---- request parsing ---------------------------------------------------------------------
 async def completion_prompts(frontend: Frontend, req: CompletionRequest) -> list[list[int]]:
     special = req.add_special_tokens is not False
-    return [req.truncate(frontend.token_ids(p) if isinstance(p, list)
-                         else await frontend.prompts.text_ids(p, special)) for p in req.prompts()]
+    return [req.truncate(frontend.token_ids(p) if isinstance(p, list) else await frontend.prompts.text_ids(p, special),
+                         frontend.cfg.max_model_len) for p in req.prompts()]
 
 
 def _too_many_prompts(frontend: Frontend, body) -> None:
@@ -83,7 +84,8 @@ def _too_many_prompts(frontend: Frontend, body) -> None:
         return
     if isinstance(p[0], int):
         k = body.get("truncate_prompt_tokens")
-        if type(k) is int and 1 <= k < len(p):  # kept to its last k ids first, as every other prompt form is
+        k = keep_tokens(k, frontend.cfg.max_model_len) if type(k) is int else None
+        if k is not None and k < len(p):  # kept to its last k ids first, as every other prompt form is
             body["prompt"] = p = p[-k:]
         if len(p) >= frontend.cfg.max_model_len:
             raise InvalidRequestError(f"the prompt has {len(p)} tokens; max_model_len is {frontend.cfg.max_model_len}",
@@ -160,8 +162,8 @@ async def chat_completions(frontend: Frontend, body: dict):
         raise InvalidRequestError("this model's chat template has no tool support: tools can only be given "
                                   'with tool_choice "none"', param="tools")
     messages = req.template_messages() if len(req.messages) < 256 else await asyncio.to_thread(req.template_messages)
-    ids = req.truncate(await frontend.prompts.chat_ids(messages, req.add_generation_prompt is not False,
-                                                       req.template_kwargs()))
+    ids = req.truncate(await frontend.prompts.chat_ids(messages, req.generation_prompt(), req.template_kwargs(),
+                                                       bool(req.continue_final_message)), frontend.cfg.max_model_len)
     params = fit_context(frontend.cfg.max_model_len, [ids],
                          req.sampling_params(await frontend.default_max_tokens(len(ids), n)),
                          "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")

@@ -5,7 +5,9 @@ of server-sent events (openai_sse.py).
 `respond()` waits for the run's first event before answering, so that admission and validation
 errors surface as a status code; after it, a stream reports errors in the stream. Chat choices
 carry the tool calls that the request's tool plan finds in their text (finish_reason "tool_calls"
-where it was "stop"); completion choices start with their prompt's text under `echo`.
+where it was "stop"), their role is vLLM's (the final message's without a generation prompt), and
+under `echo` their content starts with a continued final message's text; completion choices start
+with their prompt's text under `echo`.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ async def respond(frontend: Frontend, req, run: Run, chat: bool, model: str):
                 echo = await run.echo_logprobs(i, run.params.logprobs, as_ids)  # once per prompt
                 lp = lp if echo is None else joined(echo, lp)
         if chat:
-            message: dict = {"role": "assistant", "content": text}
+            message: dict = {"role": req.response_role(), "content": text}
             reason = c.reason
             plan = req.tool_plan()
             if plan.mode != "none":
@@ -78,6 +80,8 @@ async def respond(frontend: Frontend, req, run: Run, chat: bool, model: str):
                 if calls:
                     message["tool_calls"] = calls
                     reason = "tool_calls" if reason == "stop" else reason
+            if req.echoed():
+                message["content"] = req.echoed() + (message["content"] or "")
             out.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason,
                         "stop_reason": c.stop_reason})
         else:

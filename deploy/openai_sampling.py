@@ -64,7 +64,7 @@ class SamplingRequest(RefusingModel):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None  # only xgrammar (or "auto")
     structured_outputs: dict[str, Any] | None = None  # vLLM 0.32's: {"json" | "regex" | "choice" | "grammar" | ...}
-    truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep the prompt's last k tokens (vLLM)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the prompt's last k tokens (-1: what fits; vLLM)
     return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:<id>" (vLLM)
     request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)  # the response's id
     stream_interval: int | None = Field(None, ge=1)  # vLLM's: tokens per streamed chunk, at least the server's
@@ -160,9 +160,18 @@ class SamplingRequest(RefusingModel):
         # that never asked for usage reads as chunk.choices[0] (IndexError)
         return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
-    def truncate(self, ids: list[int]) -> list[int]:
-        k = self.truncate_prompt_tokens
+    def truncate(self, ids: list[int], max_model_len: int) -> list[int]:
+        k = keep_tokens(self.truncate_prompt_tokens, max_model_len)
         return ids if k is None or len(ids) <= k else ids[-k:]
+
+
+def keep_tokens(k: int | None, max_model_len: int) -> int | None:
+    """How many of a prompt's last tokens `truncate_prompt_tokens` keeps: -1 is vLLM's "what fits", the
+    context less the one token to generate; 0 (nothing kept) and below -1 are refused."""
+    if k is not None and k < 1 and k != -1:
+        raise InvalidRequestError(f"truncate_prompt_tokens must be -1 (what fits) or at least 1, got {k}",
+                                  param="truncate_prompt_tokens")
+    return max_model_len - 1 if k == -1 else k
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

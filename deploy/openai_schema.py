@@ -67,6 +67,8 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: Union[str, dict, None] = None  # default "auto" with tools, "none" without (OpenAI)
     _plan: Any = PrivateAttr(default=None)
     add_generation_prompt: bool | None = None  # default true (vLLM)
+    continue_final_message: bool | None = None  # the final message is continued (an assistant's prefill)
+    echo: bool | None = None  # the final message's text leads each choice where its role is the response's
     chat_template_kwargs: dict[str, Any] | None = None  # passed to the template (vLLM)
     parallel_tool_calls: bool | None = None  # no effect (no tools)
     include_reasoning: bool | None = None  # no effect (no reasoning parser)
@@ -92,6 +94,7 @@ class ChatCompletionRequest(SamplingRequest):
         bad = RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or ())
         if bad:
             raise InvalidRequestError(f"chat_template_kwargs cannot set {sorted(bad)}", param="chat_template_kwargs")
+        self.generation_prompt()
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         if self.max_completion_tokens is not None:
@@ -116,6 +119,19 @@ class ChatCompletionRequest(SamplingRequest):
     def template_messages(self) -> list[dict]:
         return [m.template_dict(i) for i, m in enumerate(self.messages)]
 
+    def generation_prompt(self) -> bool:
+        return generation_prompt(self.add_generation_prompt, self.continue_final_message)
+
+    def response_role(self) -> str:
+        """vLLM's: "assistant" after a generation prompt, else the final message's role (a continued one)."""
+        return "assistant" if self.generation_prompt() else self.messages[-1].role
+
+    def echoed(self) -> str:
+        """What `echo` puts before each choice's content: the final message's text where its role is the
+        response's (a continued assistant message), as vLLM does; else nothing."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == self.response_role() else ""
+
     def template_kwargs(self) -> dict:
         kw = dict(self.chat_template_kwargs or {})
         if self.tool_plan().renders:
@@ -130,10 +146,11 @@ class TokenizeRequest(RefusingModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
     add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
     return_token_strs: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     UNSUPPORTED_FIELDS: ClassVar[dict[str, tuple]] = {
-        **{k: UNSUPPORTED_CHAT[k] for k in ("continue_final_message", "chat_template", "documents")},
+        **{k: UNSUPPORTED_CHAT[k] for k in ("chat_template", "documents")},
         "tools": (is_empty, "tools is not supported"), "mm_processor_kwargs": UNSUPPORTED["mm_processor_kwargs"]}
 
     def check(self) -> None:
@@ -147,6 +164,17 @@ class TokenizeRequest(RefusingModel):
             raise InvalidRequestError(f"chat_template_kwargs cannot set {sorted(bad)}", param="chat_template_kwargs")
         if self.messages is not None and self.add_special_tokens:
             raise InvalidRequestError(UNSUPPORTED_CHAT["add_special_tokens"][1], param="add_special_tokens")
+        generation_prompt(self.add_generation_prompt, self.continue_final_message)
+
+
+def generation_prompt(add_generation_prompt: bool | None, continue_final_message: bool | None) -> bool:
+    """Whether the chat template adds a generation prompt: by default yes, but not when the final
+    message is continued; both asked for is a 400 (as in vLLM)."""
+    if continue_final_message and add_generation_prompt:
+        raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true: the "
+                                  "prompt either continues the final message or starts a new one",
+                                  param="continue_final_message")
+    return add_generation_prompt is not False and not continue_final_message
 
 
 class DetokenizeRequest(StrictModel):

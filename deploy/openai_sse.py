@@ -2,8 +2,9 @@
 usage chunk last with stream_options.include_usage (usage in every chunk with vLLM's
 continuous_usage_stats), then `data: [DONE]`.
 
-Chat chunks carry `delta`s (the role first, then content and tool-call deltas from the request's
-tool plan); completion chunks carry `text`, the first of each choice led by its echoed prompt, with
+Chat chunks carry `delta`s: first a chunk of each choice with only the role (and "content": ""),
+as OpenAI and vLLM send it, then under `echo` one with a continued final message's text, then
+content and tool-call deltas from the request's tool plan; completion chunks carry `text`, the first of each choice led by its echoed prompt, with
 logprobs' text_offset counted over the choice's text. An error after the first byte (the status is
 sent) is reported as an error chunk before [DONE]; the stream's end, however it comes, closes the
 run's events, which aborts every stream of the request.
@@ -29,12 +30,20 @@ async def sse(events, run, rid, obj, created, model, chat, req, frontend) -> Asy
     plan = req.tool_plan() if chat else None
     tools: dict[int, ToolCallStream] = {}  # per choice, with tools: text -> content and tool-call deltas
     try:
+        if chat:  # the role first, as a chunk of its own per choice (then a continued message's echo)
+            echo = [{"content": req.echoed()}] if req.echoed() else []
+            for delta in [{"role": req.response_role(), "content": ""}] + echo:
+                for i in range(run.params.n):
+                    chunk = {"id": rid, "object": obj, "created": created, "model": model,
+                             "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]}
+                    if req.include_usage:
+                        chunk["usage"] = dict(run.usage) if req.continuous_usage else None
+                    yield line(chunk)
         async for i, d in events:
             run.count(d)
             echoed: list = []  # completions' echoed prompt's logprobs, on its choice's first chunk
             if chat:
-                delta = {} if i in lengths else {"role": "assistant"}
-                lengths[i] = 0
+                delta = {}
                 text, calls, reason = d.text, [], d.finish_reason
                 if plan.mode != "none":
                     parser = tools.get(i) or tools.setdefault(i, plan.stream())  # made once per choice

@@ -4,7 +4,8 @@
     POST /tokenize   {"model", "prompt"} | {"model", "messages"}  -> {"tokens", "count", "max_model_len"}
                      (+ "token_strs" with return_token_strs; add_special_tokens: default true for
                      a prompt, false for messages; messages go through the chat template as in chat
-                     completions, add_generation_prompt and chat_template_kwargs included)
+                     completions, add_generation_prompt, continue_final_message and
+                     chat_template_kwargs included)
     POST /detokenize {"model", "tokens"}                          -> {"prompt": text}
     GET  /version                                                 -> {"version": Folio's version}
 
@@ -18,7 +19,7 @@ from importlib import metadata
 
 from folio.deploy.frontend import Frontend
 from folio.deploy.openai_http import parse_body, resolve_model, too_many_messages
-from folio.deploy.openai_schema import DetokenizeRequest, TokenizeRequest
+from folio.deploy.openai_schema import DetokenizeRequest, TokenizeRequest, generation_prompt
 from folio.worker.sampling_params import check_token_ids
 
 
@@ -30,7 +31,8 @@ async def tokenize(frontend: Frontend, body: dict) -> dict:
     p = frontend.prompts
     if req.messages is not None:
         messages = [m.template_dict(i) for i, m in enumerate(req.messages)]
-        ids = await p.chat_ids(messages, req.add_generation_prompt is not False, dict(req.chat_template_kwargs or {}))
+        ids = await p.chat_ids(messages, generation_prompt(req.add_generation_prompt, req.continue_final_message),
+                               dict(req.chat_template_kwargs or {}), bool(req.continue_final_message))
     elif req.prompt:
         p.check_length(len(req.prompt))
         ids = await p.run(p.encode, req.prompt, req.add_special_tokens is not False, False)

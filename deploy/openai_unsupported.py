@@ -77,8 +77,6 @@ UNSUPPORTED_COMPLETIONS: dict[str, tuple] = {
 UNSUPPORTED_CHAT: dict[str, tuple] = {
     "functions": (is_empty, "functions is not supported"),
     "function_call": (lambda v: v is None or v == "none", 'function_call is not supported (other than "none")'),
-    "continue_final_message": (falsy, "continue_final_message is not supported"),
-    "echo": (falsy, "echo is not supported in chat completions"),
     "documents": (lambda v: v is None, "documents is not supported"),
     "chat_template": (lambda v: v is None, "chat_template is not supported (the model's own template is used)"),
     "add_special_tokens": (falsy, "add_special_tokens is not supported in chat completions (the chat template "

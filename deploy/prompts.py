@@ -11,11 +11,14 @@ is refused before it is tokenized at all: no token is longer than `max_token_cha
 characters, so a text of more than `max_model_len * max_token_chars` characters has at
 least `max_model_len` tokens.
 
-Chat: special tokens typed inside message content are text, never role markers. The
-template is rendered with a sentinel in place of each content; the template's own text
-is tokenized with special tokens parsed, each content with them split
-(`split_special_tokens=True`), and the pieces are joined. For contents free of special
-tokens the ids equal `apply_chat_template(tokenize=True)`'s. What the template renders
+Chat: special tokens typed inside message content are text, never role markers. Where no
+content holds a special token's text, the ids are `apply_chat_template(tokenize=True)`'s: the
+rendering tokenized whole. Where one does, the template is rendered again with a sentinel in
+place of each content; the template's own text is tokenized with special tokens parsed, each
+content (as the template put it in: verbatim, or stripped as Llama 3's template does; other
+changes are refused) with them split (`split_special_tokens=True`), and the pieces are
+joined. (Tokenized in pieces, 2026-12-07 and before, a content's edge could merge otherwise
+than in the whole, and a trimming template's contents went in untrimmed.) What the template renders
 from other fields (a message's name, tool_calls, tool_call_id; chat_template_kwargs)
 cannot be split out that way: such text holding a special token's text is refused.
 """
@@ -33,9 +36,11 @@ from folio.worker.sampling_params import check_token_ids
 TOKENIZER_THREADS = 2
 
 
-def plain_chat_prompt(messages: list[dict]) -> str:
-    """For tokenizers without a chat template: one `role: content` line per message."""
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+def plain_chat_prompt(messages: list[dict], add_generation_prompt: bool = True, continue_final: bool = False) -> str:
+    """For tokenizers without a chat template: one `role: content` line per message, then `assistant:`
+    (or, continuing the final message, up to its last character)."""
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+    return text[:-1] if continue_final else text + "assistant:" * add_generation_prompt
 
 
 class Prompts:
@@ -48,6 +53,7 @@ class Prompts:
         self.max_token_chars = max([len(t) for t in self.tokenizer.get_vocab()] + [1])
         self._special = [t for t in self.tokenizer.all_special_tokens + list(self.tokenizer.added_tokens_encoder)
                          if t]
+        self._special_re = re.compile("|".join(map(re.escape, self._special))) if self._special else None
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="folio-tokenize")
 
     async def run(self, fn, *args):
@@ -83,15 +89,18 @@ class Prompts:
 
     # ---- chat --------------------------------------------------------------------------
     async def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True,
-                       template_kwargs: dict | None = None) -> list[int]:
+                       template_kwargs: dict | None = None, continue_final: bool = False) -> list[int]:
         """messages as openai_schema's `template_messages()` gives them (content a string; name,
-        tool_calls, tool_call_id as transformers' templates expect); template_kwargs go to the template."""
+        tool_calls, tool_call_id as transformers' templates expect); template_kwargs go to the template.
+        `continue_final` ends the prompt inside the final message (an assistant's prefill, which the
+        model continues: vLLM's continue_final_message), without a generation prompt."""
         if not messages:
             raise InvalidRequestError("messages must be a non-empty list", param="messages")
         messages = developer_as_system(messages, getattr(self.tokenizer, "chat_template", None))
         extra = (self._extra(messages, template_kwargs) if len(messages) < 256 else  # (off the loop when long)
                  await asyncio.to_thread(self._extra, messages, template_kwargs))
-        ids = await self.run(self._chat, messages, add_generation_prompt, template_kwargs or {}, extra)
+        ids = await self.run(self._chat, messages, add_generation_prompt and not continue_final,
+                             template_kwargs or {}, extra, continue_final)
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="messages")
         return ids
@@ -102,18 +111,24 @@ class Prompts:
         self.check_length(sum(len(m["content"]) for m in messages) + sum(len(s) for e in extra for s in e), "messages")
         return extra
 
-    def _chat(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict, extra: list[list[str]]
-              ) -> list[int]:
+    def _chat(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict, extra: list[list[str]],
+              continue_final: bool = False) -> list[int]:
         tok = self.tokenizer
         if not getattr(tok, "chat_template", None):
             if any(m.get("tool_calls") for m in messages) or kwargs:
                 raise InvalidRequestError("this model has no chat template: tool_calls and chat_template_kwargs "
                                           "cannot be rendered", param="messages")
-            return self.encode(plain_chat_prompt(messages), True, True, "messages")
+            return self.encode(plain_chat_prompt(messages, add_generation_prompt, continue_final), True, True,
+                               "messages")
+        if continue_final:  # transformers cuts its rendering after the final message's content
+            kwargs = {**kwargs, "continue_final_message": True}
         # the template renders names, tool calls and kwargs itself: their text cannot be kept
         # apart from its markers, so one holding a special token's text is refused
         self._refuse_special([s for e in extra for s in e], "a message's name, tool_calls or tool_call_id, or "
                              "chat_template_kwargs,")
+        whole = self._render(messages, add_generation_prompt, kwargs)
+        if not any(self._holds_special(m["content"]) for m in messages):
+            return self.encode(whole, False, False, "messages")  # transformers' own ids
         nonce = secrets.token_hex(8)
         marked = [i for i, m in enumerate(messages) if m["content"]]
         marks = {i: f"\x00{nonce}:{i}\x00" for i in marked}
@@ -121,39 +136,51 @@ class Prompts:
                                 add_generation_prompt, kwargs)
         pieces = re.split("\x00" + nonce + r":(\d+)\x00", rendered)
         # pieces: text, index, text, index, ..., text; each sentinel exactly once and in order
-        if [int(i) for i in pieces[1::2]] != marked:
-            return self._chat_unsplit(messages, add_generation_prompt, kwargs)
+        contents = _contents(messages, pieces, marked, whole)
+        if contents is None:
+            raise InvalidRequestError("message content contains a special token's text, which this model's chat "
+                                      "template cannot keep apart from its markers", param="messages")
         ids: list[int] = []
         for k, piece in enumerate(pieces):
             if k % 2:
-                ids += self.encode(messages[int(piece)]["content"], False, True, "messages")
+                ids += self.encode(contents[int(piece)], False, True, "messages")
             elif piece:
                 ids += self.encode(piece, False, False, "messages")
         return ids
 
-    def _refuse_special(self, texts: list[str], what: str) -> None:
-        for t in texts:
-            if any(s in t for s in self._special):
-                raise InvalidRequestError(f"{what} contains a special token's text, which this model's chat "
-                                          "template cannot keep apart from its markers", param="messages")
+    def _holds_special(self, text: str) -> bool:
+        return self._special_re is not None and self._special_re.search(text) is not None
 
-    def _chat_unsplit(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> list[int]:
-        """A template that does not put each content in verbatim: tokenize it whole, and refuse
-        contents that would become special tokens."""
-        self._refuse_special([m["content"] for m in messages], "message content")
-        return self.encode(self._render(messages, add_generation_prompt, kwargs), False, False, "messages")
+    def _refuse_special(self, texts: list[str], what: str) -> None:
+        if any(self._holds_special(t) for t in texts):
+            raise InvalidRequestError(f"{what} contains a special token's text, which this model's chat "
+                                      "template cannot keep apart from its markers", param="messages")
 
     def _render(self, messages: list[dict], add_generation_prompt: bool = True, kwargs: dict | None = None) -> str:
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                       tokenize=False, **(kwargs or {}))
         except Exception as e:  # the template itself raised (a jinja error on these messages)
-            raise InvalidRequestError(f"the chat template cannot render these messages: {e}",
+            why = str(e) if len(str(e)) <= 300 else str(e)[:300] + " ..."  # (some carry the whole rendering)
+            raise InvalidRequestError(f"the chat template cannot render these messages: {why}",
                                       param="messages") from None
 
     # ---- text of token ids (logprobs) ---------------------------------------------------
     def decode_each(self, ids: list[int]) -> list[str]:
         return [self.tokenizer.decode([t]) for t in ids]
+
+
+def _contents(messages: list[dict], pieces: list[str], marked: list[int], whole: str) -> dict[int, str] | None:
+    """Each marked message's content as the template put it in (`whole`, its rendering of the messages):
+    verbatim, or stripped (Llama 3's template trims each content); None when it is neither, or when a
+    sentinel was dropped or repeated."""
+    if [int(i) for i in pieces[1::2]] != marked:
+        return None
+    for shape in (str, str.strip):
+        contents = {i: shape(messages[i]["content"]) for i in marked}
+        if "".join(contents[int(p)] if k % 2 else p for k, p in enumerate(pieces)) == whole:
+            return contents
+    return None
 
 
 def _strings(x, skip: str | None = None) -> list[str]:

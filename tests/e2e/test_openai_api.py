@@ -266,7 +266,8 @@ def schema_noop(path, name, value) -> bool:
     ("/v1/completions", {"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
     ("/v1/completions", {"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend"),
     ("/v1/completions", {"guided_json": "{not json"}, "guided_json"),
-    ("/v1/chat/completions", {"continue_final_message": True}, "continue_final_message"),
+    ("/v1/chat/completions", {"continue_final_message": True, "add_generation_prompt": True},
+     "continue_final_message"),
     ("/v1/chat/completions", {"store": True}, "store"),
     ("/v1/chat/completions", {"service_tier": "flex"}, "service_tier"),
 ])
@@ -314,6 +315,26 @@ def test_token_ids_past_the_context_are_truncated_first(folio_server, length, k)
     assert flat[0] == nested[0] == 200, (flat, nested)
     assert flat[1]["usage"]["prompt_tokens"] == k and flat[1]["choices"][0]["text"] == nested[1]["choices"][0]["text"]
     refused(folio_server, "/v1/completions", {**body, "prompt": ids, "truncate_prompt_tokens": None}, "prompt")
+
+
+def test_truncate_prompt_tokens_minus_one_keeps_what_fits(folio_server):
+    """vLLM's -1 (a 400 before): the prompt's last max_model_len - 1 tokens, room for one token made;
+    every prompt form and chat alike. 0 and below -1 are refused naming the field."""
+    ids = [(7 * i) % 900 + 20 for i in range(MAX_MODEL_LEN + 300)]
+    body = {**COMPLETION_BASE, "truncate_prompt_tokens": -1, "max_tokens": 1}
+    texts = []
+    for prompt in (ids, [ids], "word " * 600):
+        status, out = post(folio_server, "/v1/completions", {**body, "prompt": prompt})
+        assert status == 200 and out["usage"]["prompt_tokens"] == MAX_MODEL_LEN - 1, out
+        texts.append(out["choices"][0]["text"])
+    assert texts[0] == texts[1]
+    status, out = post(folio_server, "/v1/chat/completions", {**CHAT_BASE, "max_tokens": 1, "truncate_prompt_tokens": -1,
+                                                              "messages": [{"role": "user", "content": "word " * 600}]})
+    assert status == 200 and out["usage"]["prompt_tokens"] == MAX_MODEL_LEN - 1, out
+    for k in (0, -2):
+        for prompt in (ids, "x"):
+            refused(folio_server, "/v1/completions", {**body, "prompt": prompt, "truncate_prompt_tokens": k},
+                    "truncate_prompt_tokens")
 
 
 def test_a_stop_tokens_text_is_not_in_the_output(folio_server, tokenizer):
@@ -504,6 +525,56 @@ def test_a_developer_message_is_a_system_message_where_the_template_has_none(fol
                                                                              user])
     assert tok([{"role": "system", "content": "a"}, user, {"role": "developer", "content": "b"}]) == tok(
         [{"role": "system", "content": "a\n\nb"}, user])
+
+
+def sse_events(raw: bytes) -> list[dict]:
+    parts = raw.decode().split("data: ")[1:]
+    assert parts[-1].strip() == "[DONE]", parts[-1]
+    return [json.loads(e) for e in parts[:-1]]
+
+
+def test_continue_final_message_continues_an_assistant_prefill(folio_server, client):
+    """vLLM's continue_final_message (a 400 before): the prompt ends inside the final message, the
+    choice takes its role, and under `echo` its text leads the content; streamed, each choice's
+    first chunk is its role alone (OpenAI's and vLLM's chunk order), then the echo, then the tokens."""
+    msgs = [{"role": "user", "content": "Count:"}, {"role": "assistant", "content": "one two"}]
+    flags = {"continue_final_message": True, "add_generation_prompt": False}
+    ids = post(folio_server, "/tokenize", {"messages": msgs, **flags})[1]["tokens"]
+    closed = post(folio_server, "/tokenize", {"messages": msgs, "add_generation_prompt": False})[1]["tokens"]
+    assert closed[:len(ids)] == ids and len(closed) > len(ids)
+    gen = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    want = post(folio_server, "/v1/completions", {"prompt": ids, **gen})[1]["choices"][0]["text"]
+    for extra in ({}, {"echo": True}, {"continue_final_message": True}):  # continuing alone: no generation prompt
+        status, out = post(folio_server, "/v1/chat/completions", {"messages": msgs, **flags, **gen, **extra})
+        assert status == 200 and out["usage"]["prompt_tokens"] == len(ids), out
+        head = "one two" if extra.get("echo") else ""
+        assert out["choices"][0]["message"] == {"role": "assistant", "content": head + want}, (extra, out)
+    stream = client.chat.completions.create(model="tiny", messages=msgs, n=2, stream=True, extra_body={
+        **flags, "echo": True, "ignore_eos": True}, max_tokens=5, temperature=0)
+    chunks = [(c.choices[0].index, c.choices[0].delta) for c in stream]
+    assert [(i, d.role, d.content) for i, d in chunks[:4]] == [
+        (0, "assistant", ""), (1, "assistant", ""), (0, None, "one two"), (1, None, "one two")]
+    assert all(d.role is None for _, d in chunks[4:])
+    for k in (0, 1):
+        assert "".join(d.content or "" for i, d in chunks if i == k) == "one two" + want
+
+
+def test_chat_streams_start_with_a_role_chunk_and_a_user_final_message_is_answered_as_user(folio_server):
+    """Without a generation prompt vLLM answers in the final message's role; a stream's first chunk of each
+    choice carries the role and an empty content only, with continuous usage its own (0 completion tokens)."""
+    msgs = [{"role": "user", "content": "hi"}]
+    out = chat(folio_server, msgs, add_generation_prompt=False)[1]
+    assert out["choices"][0]["message"]["role"] == "user"
+    for n, opts in ((1, None), (3, {"include_usage": True, "continuous_usage_stats": True})):
+        status, raw = chat(folio_server, msgs, n=n, stream=True, stream_options=opts, temperature=1, seed=1)
+        events = sse_events(raw)
+        heads = events[:n]
+        assert status == 200 and [e["choices"] for e in heads] == [
+            [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
+            for i in range(n)], heads
+        if opts:
+            assert all(e["usage"]["completion_tokens"] == 0 and e["usage"]["prompt_tokens"] > 0 for e in heads)
+        assert not any("role" in c["delta"] for e in events[n:] for c in e["choices"])
 
 
 @pytest.mark.parametrize("so, check", [
