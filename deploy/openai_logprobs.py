@@ -1,6 +1,7 @@
 """Logprobs in OpenAI's shapes, from the engine's per-token {chosen id: logprob, top ids...}
 entries: completions' {"tokens", "token_logprobs", "top_logprobs", "text_offset"} and chat's
-{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}. `return_tokens_as_token_ids`
+{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}, `bytes` each token's own
+(deploy/token_bytes.py). `return_tokens_as_token_ids`
 (vLLM) names tokens "token_id:<id>".
 
 text_offset: deploy/text_offsets.py.
@@ -8,7 +9,10 @@ text_offset: deploy/text_offsets.py.
 
 from __future__ import annotations
 
+import functools
+
 from folio.deploy.text_offsets import TextOffsets
+from folio.deploy.token_bytes import TokenBytes
 
 
 def _top(d: dict, k: int) -> list[tuple[int, float]]:
@@ -49,12 +53,18 @@ def joined(first: dict, then: dict) -> dict:
     return {key: first[key] + then[key] for key in first}
 
 
+@functools.lru_cache(maxsize=8)
+def _token_bytes(tok) -> TokenBytes:
+    return TokenBytes(tok)
+
+
 def logprobs_chat(tok, entries: list[dict], k: int, as_ids: bool = False) -> dict:
     text = _token_text(tok, as_ids)
+    own = _token_bytes(tok)  # a token's own bytes: one holding part of a character decodes to "\ufffd" alone
 
     def item(t, lp):
         s = text(t)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+        return {"token": s, "logprob": lp, "bytes": list(s.encode()) if as_ids else own(t)}
     content = []
     for d in entries:
         chosen = next(iter(d))

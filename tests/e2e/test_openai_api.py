@@ -559,6 +559,24 @@ def test_continue_final_message_continues_an_assistant_prefill(folio_server, cli
         assert "".join(d.content or "" for i, d in chunks if i == k) == "one two" + want
 
 
+def test_chat_logprobs_bytes_join_into_the_content(folio_server):
+    """Each token's own bytes (a token holding part of a character had "\ufffd"'s), streamed or not."""
+    text = "日本語 é 😀 naïve"
+    for stream in (False, True):
+        status, out = chat(folio_server, [{"role": "user", "content": "hi"}], max_tokens=60, logprobs=True,
+                           top_logprobs=2, guided_choice=[text], stream=stream)
+        assert status == 200, out
+        if stream:
+            choices = [c for e in sse_events(out) for c in e["choices"]]
+            content = [t for c in choices if c["logprobs"] for t in c["logprobs"]["content"]]
+        else:
+            content = out["choices"][0]["logprobs"]["content"]
+        assert any(t["token"] == "\ufffd" for t in content)  # some token holds part of a character
+        assert content[-1]["token"] == "</s>"  # the grammar's end (in the logprobs, not in the text)
+        content = content[:-1]
+        assert b"".join(bytes(t["bytes"]) for t in content).decode() == text, content
+
+
 def test_chat_streams_start_with_a_role_chunk_and_a_user_final_message_is_answered_as_user(folio_server):
     """Without a generation prompt vLLM answers in the final message's role; a stream's first chunk of each
     choice carries the role and an empty content only, with continuous usage its own (0 completion tokens)."""

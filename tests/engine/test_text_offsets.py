@@ -3,7 +3,9 @@ text stream (TextStream, primed with the prompt's tail) emits its text, in which
 goes out (not clipped to the token's own delta: a stop string's held-back text put offsets at
 the delta's end); streamed delta by delta and formatted whole alike. Generated
 texts mix characters of 1-4 UTF-8 bytes (split over several byte-level tokens, or over byte-
-fallback tokens), arbitrary delta sizes, and stop strings that hold text back and cut it."""
+fallback tokens), arbitrary delta sizes, and stop strings that hold text back and cut it.
+Chat logprobs' `bytes` (deploy/token_bytes.py) on the same texts: each token's own bytes, which
+joined are the text's."""
 
 import hypothesis.strategies as st
 import pytest
@@ -12,6 +14,7 @@ from tokenizers.decoders import DecodeStream
 
 from folio.deploy.openai_logprobs import logprobs_completion
 from folio.deploy.text_offsets import TextOffsets
+from folio.deploy.token_bytes import TokenBytes
 from folio.worker.detokenizer import PROMPT_CONTEXT, TextStream
 
 PIECES = ["a", "b", "o", "k", "ok", " ", "  ", "\n", "\t", "é", "ö", "—", "“", "日本", "語", "😀", "👍🏽", " x", "the"]
@@ -107,3 +110,17 @@ def test_a_token_after_a_character_split_over_deltas(tok):
     assert len(ids) >= 3  # the emoji is more than one token in both tokenizers
     _, got, want, text = stream(tok, prompt, ids, [1], None)
     assert text.endswith("a😀b") and got == want and got[-1] == len(text) - 1  # " a😀b" after "▁"
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pieces=st.lists(st.sampled_from(PIECES), min_size=1, max_size=12))
+def test_chat_logprobs_bytes_are_each_tokens_own_and_join_into_the_text(tok, pieces):
+    """A token holding part of a character decodes alone to "\ufffd": its `bytes` were that
+    character's (239, 191, 189), so the bytes of "日本" or "😀" joined gave replacement characters."""
+    text = "".join(pieces)
+    ids = tok(text, add_special_tokens=False).input_ids
+    tb = TokenBytes(tok)
+    joined = b"".join(bytes(tb(t)) for t in ids)
+    # (the SentencePiece-like normalizer puts "▁" before the text, which its decoder drops)
+    assert joined in (text.encode(), b" " + text.encode()), (text, ids, joined)
+    assert [bytes(tb(tok.convert_tokens_to_ids(s))) for s in ("<s>", "</s>")] == [b"<s>", b"</s>"]
