@@ -21,7 +21,7 @@ from pydantic import Field
 from folio.deploy.openai_unsupported import RefusingModel, StrictModel
 from folio.worker.errors import InvalidRequestError
 from folio.worker.guided import GuidedSpec
-from folio.worker.sampling_params import SamplingParams
+from folio.worker.sampling_params import SEED_LIMIT, SamplingParams
 
 MAX_REQUEST_ID_CHARS = 256
 
@@ -95,7 +95,7 @@ class SamplingRequest(RefusingModel):
             return default if x is None else x
         return SamplingParams(
             n=n, max_tokens=max_tokens, temperature=v(self.temperature, 1.0), top_p=v(self.top_p, 1.0),
-            top_k=v(self.top_k, 0), min_p=v(self.min_p, 0.0), seed=self.seed, stop=self.stop,
+            top_k=v(self.top_k, 0), min_p=v(self.min_p, 0.0), seed=_seed(self.seed), stop=self.stop,
             stop_token_ids=self.stop_token_ids or [], ignore_eos=bool(self.ignore_eos),
             include_stop_str_in_output=bool(self.include_stop_str_in_output),
             skip_special_tokens=v(self.skip_special_tokens, True), logprobs=self._logprobs(),
@@ -172,6 +172,15 @@ def keep_tokens(k: int | None, max_model_len: int) -> int | None:
         raise InvalidRequestError(f"truncate_prompt_tokens must be -1 (what fits) or at least 1, got {k}",
                                   param="truncate_prompt_tokens")
     return max_model_len - 1 if k == -1 else k
+
+
+def _seed(seed: int | None) -> int | None:
+    """OpenAI's seed is any 64-bit integer: -1 means none (vLLM's rule; some clients send it for
+    "random"), another negative one is its two's complement (it was a 400). Past 64 bits it stays
+    as sent, for SamplingParams to refuse."""
+    if seed == -1:
+        return None
+    return seed % SEED_LIMIT if seed is not None and -2**63 <= seed < 0 else seed
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -53,8 +53,8 @@ def error_of(status, body, want_status=400):
 
 # ---- the bounds, each over both APIs -----------------------------------------------------
 @pytest.mark.parametrize("field, value", [
-    ("logprobs", 10_000), ("logprobs", 21), ("top_k", 10**30), ("top_k", -2), ("seed", 2**64), ("seed", -1),
-    ("n", 10**6), ("n", 257), ("best_of", 5), ("priority", "x"), ("priority", [1]), ("priority", 2**31),
+    ("logprobs", 10_000), ("logprobs", 21), ("top_k", 10**30), ("top_k", -2), ("seed", 2**64),
+    ("seed", -2**63 - 1), ("n", 10**6), ("n", 257), ("best_of", 5), ("priority", "x"), ("priority", [1]), ("priority", 2**31),
     ("max_tokens", 2**31), ("max_tokens", 1.5), ("temperature", "hot"), ("top_p", 0), ("stop_token_ids", [2**63]),
     ("stop_token_ids", [1024]), ("stream_options", "x"), ("stream", "yes"), ("stop", [""] * 2),
 ])
@@ -67,6 +67,16 @@ def test_http_bounds_are_400_naming_the_param(folio_server, field, value):
 def test_http_token_ids_out_of_range_are_400(folio_server, prompt):
     err = error_of(*post(folio_server, "/v1/completions", {"prompt": prompt, "max_tokens": 2}))
     assert err["param"] == "prompt"
+
+
+def test_negative_seeds_are_openais_64_bit_integers(folio_server):
+    """OpenAI's seed is any 64-bit integer; a negative one was a 400. -1 is no seed (vLLM's rule), another
+    negative one its two's complement: the same tokens as that seed, run after run."""
+    body = {"prompt": "hi", "max_tokens": 6, "temperature": 1.0, "n": 2}
+    text = lambda seed: [c["text"] for c in post(folio_server, "/v1/completions",  # noqa: E731
+                                                  {**body, "seed": seed})[1]["choices"]]
+    assert text(-5) == text(-5) == text(2**64 - 5) and text(-2**63) == text(2**63)
+    assert post(folio_server, "/v1/completions", {**body, "seed": -1})[0] == 200
 
 
 def test_chat_bounds_are_400(folio_server):
