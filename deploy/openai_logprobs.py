@@ -64,7 +64,7 @@ def logprobs_chat(tok, entries: list[dict], k: int, as_ids: bool = False) -> dic
 
     def item(t, lp):
         s = text(t)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode()) if as_ids else own(t)}
+        return {"token": s, "logprob": lp, "bytes": own(t)}  # (named "token_id:N" too: vLLM's bytes are the token's)
     content = []
     for d in entries:
         chosen = next(iter(d))
@@ -86,8 +86,10 @@ class Choice:
     def __init__(self, prefix: str = "") -> None:
         self.texts, self.length, self.entries, self.spans, self.reason = [prefix], len(prefix), [], [], None
         self.stop_reason = None  # the stop string or stop token id that ended it (vLLM's field)
+        self.token_ids: list[int] = []  # (vLLM's return_token_ids)
 
     def add(self, d) -> None:
+        self.token_ids.extend(d.token_ids)
         if d.logprobs or d.text:
             self.entries.extend(d.logprobs or [])
             self.spans.append((self.length, len(d.text), len(d.logprobs or [])))

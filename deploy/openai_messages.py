@@ -4,7 +4,7 @@
 plus `name`, assistant messages with `content: null` and `tool_calls`, `tool` messages with
 `tool_call_id`; `ChatMessage.check(i)` refuses the rest with InvalidRequestError(param="messages")
 naming messages.<i>. `template_dict(i)` is the message as transformers' `apply_chat_template`
-expects it: content as one string (text parts joined by "\\n", as vLLM does; "" for a null
+expects it: content as one string (non-empty text parts joined by "\\n", as vLLM does; "" for a null
 content), tool_calls as [{"id", "type", "function": {"name", "arguments": <the decoded JSON
 object>}}]. `RESERVED_TEMPLATE_KWARGS` are the template arguments Folio sets itself, which no
 request's chat_template_kwargs may set.
@@ -61,8 +61,8 @@ class ChatMessage(StrictModel):
                                       param="messages")
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "\n".join(p["text"] for p in self.content)
+        if isinstance(self.content, list):  # empty parts add no line (as vLLM joins them)
+            return "\n".join(p["text"] for p in self.content if p["text"])
         return self.content or ""
 
     def template_dict(self, i: int) -> dict:

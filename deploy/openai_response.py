@@ -87,4 +87,11 @@ async def respond(frontend: Frontend, req, run: Run, chat: bool, model: str):
         else:
             out.append({"index": i, "text": text, "logprobs": lp, "finish_reason": c.reason,
                         "stop_reason": c.stop_reason})
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": out, "usage": run.usage}
+            if req.return_token_ids:  # vLLM's: a completion's prompt on its choice
+                out[-1]["prompt_token_ids"] = run.prompts[i // run.params.n]
+        if req.return_token_ids:
+            out[-1]["token_ids"] = c.token_ids
+    body = {"id": rid, "object": obj, "created": created, "model": model, "choices": out, "usage": run.usage}
+    if chat and req.return_token_ids:  # vLLM's: a chat's prompt on the response
+        body["prompt_token_ids"] = run.prompts[0]
+    return body

@@ -64,6 +64,7 @@ class SamplingRequest(RefusingModel):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None  # only xgrammar (or "auto")
     structured_outputs: dict[str, Any] | None = None  # vLLM 0.32's: {"json" | "regex" | "choice" | "grammar" | ...}
+    return_token_ids: bool | None = None  # vLLM's: each choice's token ids and its prompt's, beside the text
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the prompt's last k tokens (-1: what fits; vLLM)
     return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:<id>" (vLLM)
     request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)  # the response's id

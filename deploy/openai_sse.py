@@ -30,15 +30,9 @@ async def sse(events, run, rid, obj, created, model, chat, req, frontend) -> Asy
     plan = req.tool_plan() if chat else None
     tools: dict[int, ToolCallStream] = {}  # per choice, with tools: text -> content and tool-call deltas
     try:
-        if chat:  # the role first, as a chunk of its own per choice (then a continued message's echo)
-            echo = [{"content": req.echoed()}] if req.echoed() else []
-            for delta in [{"role": req.response_role(), "content": ""}] + echo:
-                for i in range(run.params.n):
-                    chunk = {"id": rid, "object": obj, "created": created, "model": model,
-                             "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]}
-                    if req.include_usage:
-                        chunk["usage"] = dict(run.usage) if req.continuous_usage else None
-                    yield line(chunk)
+        for chunk in _chat_heads(run, {"id": rid, "object": obj, "created": created, "model": model}, req) if chat \
+                else ():
+            yield line(chunk)
         async for i, d in events:
             run.count(d)
             echoed: list = []  # completions' echoed prompt's logprobs, on its choice's first chunk
@@ -62,12 +56,15 @@ async def sse(events, run, rid, obj, created, model, chat, req, frontend) -> Asy
                 if d.logprobs and run.params.logprobs is not None:
                     choice["logprobs"] = logprobs_chat(tok, d.logprobs, run.params.logprobs, as_ids)
             else:
-                echoed = run.prompt_entries(i) if i not in lengths else []
-                prefix = run.echo[i // run.params.n] if run.echo and i not in lengths else ""
+                first = i not in lengths
+                echoed = run.prompt_entries(i) if first else []
+                prefix = run.echo[i // run.params.n] if run.echo and first else ""
                 at = lengths.get(i, 0) + len(prefix)
                 lengths[i] = at + len(d.text)
                 choice = {"index": i, "text": prefix + d.text, "logprobs": None, "finish_reason": d.finish_reason,
                           "stop_reason": d.stop_reason}
+                if req.return_token_ids and first:  # vLLM's: a choice's prompt on its first chunk
+                    choice["prompt_token_ids"] = run.prompts[i // run.params.n]
                 if (d.logprobs or echoed) and run.params.logprobs is not None:
                     lp = logprobs_completion(tok, d.logprobs or [], run.params.logprobs,
                                              [(at, len(d.text), len(d.logprobs or []))], as_ids,
@@ -77,6 +74,8 @@ async def sse(events, run, rid, obj, created, model, chat, req, frontend) -> Asy
                     choice["logprobs"] = lp
                 elif d.text and run.params.logprobs is not None:  # held-back text only: the offsets follow it
                     run.text_offsets(i).offsets(tok, [], at, len(d.text))
+            if req.return_token_ids:
+                choice["token_ids"] = d.token_ids
             chunk = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
             if req.include_usage:
                 chunk["usage"] = dict(run.usage) if req.continuous_usage else None
@@ -90,3 +89,19 @@ async def sse(events, run, rid, obj, created, model, chat, req, frontend) -> Asy
     finally:
         await events.aclose()  # a client gone (or an error) aborts every stream of the request
     yield b"data: [DONE]\n\n"
+
+
+def _chat_heads(run, head: dict, req) -> list[dict]:
+    """A chat stream's first chunks: the role alone per choice (OpenAI's and vLLM's order; with
+    return_token_ids the prompt's ids too, as vLLM's), then a continued final message's echo."""
+    echo = [{"content": req.echoed()}] if req.echoed() else []
+    out = []
+    for delta in [{"role": req.response_role(), "content": ""}] + echo:
+        for i in range(run.params.n):
+            chunk = {**head, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]}
+            if req.include_usage:
+                chunk["usage"] = dict(run.usage) if req.continuous_usage else None
+            if req.return_token_ids and "role" in delta:
+                chunk["prompt_token_ids"] = run.prompts[0]
+            out.append(chunk)
+    return out

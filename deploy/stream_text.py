@@ -67,8 +67,8 @@ class StreamText:
             if reason is not None:
                 self.ended.add(d.index)
             lps = d.logprobs[:keep] if d.logprobs is not None else None
-            stopped_by = ts.stop if ts.stop is not None else (  # vLLM's stop_reason: the string, or the token id
-                ids[keep - 1] if reason == "stop" and keep and ids[keep - 1] in self.params.stop_token_ids else None)
+            # vLLM's stop_reason: the stop string, or the worker's (a stop_token_ids id; None for EOS, checked first)
+            stopped_by = ts.stop if ts.stop is not None else (d.stop_reason if keep == len(ids) else None)
             deltas.append(CompletionDelta(index=d.index, token_ids=ids[:keep], text=ts.delta(reason is not None),
                                           num_tokens=d.num_tokens - (len(ids) - keep), finish_reason=reason,
                                           logprobs=lps, stop_reason=stopped_by))

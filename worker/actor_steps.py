@@ -32,13 +32,13 @@ def _name_os_thread(name: bytes) -> None:
         pass
 
 
-def _request_error(why: str) -> Exception:
+def _request_error(why: str, param: str | None = None) -> Exception:
     """A fault traced to one request (fault_isolation.describe's line): its own bad input
-    found in the step (a grammar) stays a 400; anything else is the engine's 500."""
+    found in the step (a grammar) stays a 400 naming the field it came in; anything else is the engine's 500."""
     head = f"{InvalidRequestError.__module__}.{InvalidRequestError.__name__}: "
     line = why.split(" failed in the engine: ", 1)[-1]  # (after the engine's "request X failed in the engine: ")
     if line.startswith(head):
-        return InvalidRequestError(line[len(head):], param="response_format")
+        return InvalidRequestError(line[len(head):], param=param or "response_format")
     return RequestFailedError(why)
 
 
@@ -164,7 +164,7 @@ class StepLoop:
                     continue
                 for out in outs:
                     if out.error is not None:  # the engine failed this request alone (fault_isolation.py)
-                        self._put(out.request_id, _request_error(out.error))
+                        self._put(out.request_id, _request_error(out.error, out.error_param))
                     else:
                         self._dispatch(out)
                 self._flush_out()  # the whole step's chunks: sent from here, or one hop to the event loop
@@ -188,7 +188,8 @@ class StepLoop:
             n = sent.get(c.index, 0) + len(c.token_ids)
             sent[c.index] = n
             deltas.append(CompletionDelta(index=c.index, token_ids=list(c.token_ids), text=c.text, num_tokens=n,
-                                          finish_reason=c.finish_reason, logprobs=c.logprobs))
+                                          finish_reason=c.finish_reason, logprobs=c.logprobs,
+                                          stop_reason=c.stop_reason))
         m = out.metrics
         npre = m.num_preemptions if m is not None else 0
         queue_s = None
@@ -245,7 +246,7 @@ class StepLoop:
                 why += f" evaluating the grammar of request {rid}"
                 self._put(rid, InvalidRequestError(f"the request's {kind} {TOO_AMBIGUOUS}: one token took "
                                                    f"longer than {self.STEP_STALL_S:g} s, and the worker running "
-                                                   f"it restarts", param="response_format"))
+                                                   f"it restarts", param=seq.params.guided.param))
             self._fail(why)
             return
 

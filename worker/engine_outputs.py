@@ -112,8 +112,10 @@ class Postprocess:
             group.forked = True
             group.metrics.finished_time = time.monotonic()
             done = [CompletionOutput(s.index, [], "", "error") for s in group.seqs]
+            guided = group.params.guided
             outs.append(RequestOutput(rid, group.prompt, group.prompt_token_ids, done, True, group.metrics,
-                                      error=f"request {rid} failed in the engine: {why}"))
+                                      error=f"request {rid} failed in the engine: {why}",
+                                      error_param=guided.param if guided is not None else None))
         return outs
 
     def _make_outputs(self, groups, now: float) -> list[RequestOutput]:

@@ -1,7 +1,9 @@
 """Logits processing for a batch of rows (the sampler's first stage), in vLLM's order: the
 structured-output grammar's mask (guided.py), allowed_token_ids, bad words, logit_bias,
 min_tokens, then the repetition, frequency and presence penalties (penalties.py: from each
-sequence's ids seen and their counts, kept as it grows).
+sequence's ids seen and their counts, kept as it grows). min_tokens yields where a grammar or an
+allow list leaves only a stop token: the output ends there, short of min_tokens (a choice with
+min_tokens 4 failed its request after its answer, "no token to draw"; vLLM's ends at the answer).
 
 Each kind is one batched tensor operation over the rows that use it (gather / scatter), never
 a dense [N, V] pass but for allowed_token_ids (everything else masked). A request's allowed ids
@@ -89,17 +91,44 @@ def _add_biases(logits: torch.Tensor, rows: list[int], params: list) -> None:
         logits.index_put_((torch.cat(r), torch.cat(t)), torch.cat(v), accumulate=True)
 
 
+def _only(row: torch.Tensor, ids: set[int]) -> bool:
+    """Whether every token the row still allows (a finite logit) is one of `ids`."""
+    allowed = int(torch.isfinite(row).sum())
+    return allowed == sum(1 for t in ids if 0 <= t < row.shape[0] and bool(torch.isfinite(row[t])))
+
+
+def mask_grammars(logits: torch.Tensor, params: list, histories: Sequence[History] | None,
+                  grammars=None) -> torch.Tensor:
+    """float32 logits [N, V] with each structured-output row's grammar mask applied (-inf where its
+    grammar forbids), a new tensor; `logits` itself when no row has a grammar. The sampler's
+    logprobs are read here, as vLLM's are (its mask is applied before its sampler)."""
+    guided = [i for i, p in enumerate(params) if p.guided is not None]
+    if not guided:
+        return logits
+    if grammars is None:
+        raise ValueError("structured output needs the engine's grammars")
+    if histories is None:
+        raise ValueError("logits processing needs each row's tokens (histories)")
+    from folio.worker.guided import apply_bitmask
+    logits = logits.clone()
+    apply_bitmask(logits, guided, grammars.bitmask([histories[i] for i in guided]))
+    return logits
+
+
 def process_logits(logits: torch.Tensor, params: list, histories: Sequence[History] | None,
-                   eos_ids=(), grammars=None) -> torch.Tensor:
+                   eos_ids=(), grammars=None, masked: bool = False) -> torch.Tensor:
     """float32 logits [N, V] with each row's logits processing applied (a new tensor when any is;
     `logits` itself when no row asks for any). Each kind is one batched operation over the rows
     that use it, touching only the ids it concerns (gather / scatter), never a dense [N, V] pass
-    but for allowed_token_ids (everything else masked)."""
+    but for allowed_token_ids (everything else masked). `masked`: the grammars' masks are applied
+    already (mask_grammars)."""
     rows = [i for i, p in enumerate(params) if p.processes_logits]
     if not rows:
         return logits
     if histories is None:
         raise ValueError("logits processing needs each row's tokens (histories)")
+    if not masked:
+        logits = mask_grammars(logits, params, histories, grammars)  # structured output first (vLLM's order)
     logits = logits.clone()
     vocab, device = logits.shape[-1], logits.device
 
@@ -112,12 +141,6 @@ def process_logits(logits: torch.Tensor, params: list, histories: Sequence[Histo
             logits.index_put_((torch.tensor(ri, device=device), torch.tensor(ti, device=device)),
                               torch.tensor(vi, dtype=logits.dtype, device=device))
 
-    guided = [i for i in rows if params[i].guided is not None]
-    if guided:  # structured output first (vLLM's order): what the grammar allows next
-        if grammars is None:
-            raise ValueError("structured output needs the engine's grammars")
-        from folio.worker.guided import apply_bitmask
-        apply_bitmask(logits, guided, grammars.bitmask([histories[i] for i in guided]))
     allowed = [i for i in rows if params[i].allowed_token_ids is not None]
     if allowed:
         _allow_only(logits, allowed, params)
@@ -141,6 +164,8 @@ def process_logits(logits: torch.Tensor, params: list, histories: Sequence[Histo
         p, h = params[i], histories[i]
         if p.min_tokens and len(h.token_ids) - h.num_prompt_tokens < p.min_tokens:
             stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+            if (p.guided is not None or p.allowed_token_ids is not None) and _only(logits[i], stops):
+                continue  # the grammar (or allow list) leaves only the end: it wins, the output ends short
             r += [i] * len(stops)
             t += sorted(stops)
     if r:

@@ -7,7 +7,10 @@ logit_bias, min_tokens, then the repetition, frequency and presence penalties.
 Greedy rows then take the argmax. Sampled rows go through temperature, top-k, top-p and min-p,
 then draw by the inverse CDF at one uniform from their own generator (a seeded request gets the
 same tokens whatever shares its batch): in C++ (cpu_ops.sample_rows), else in torch, alike.
-Logprobs are those of the raw logits (vLLM's default `raw_logprobs`).
+Logprobs are those of the logits with only the structured-output grammar's mask applied, as
+vLLM's default `raw_logprobs` are (its grammar mask is applied before its sampler): a choice's
+logprobs are over the choices, and a token the grammar forbids has MASKED_LOGPROB (vLLM's -9999,
+since JSON has no -inf) where it is among the top k.
 """
 
 from __future__ import annotations
@@ -18,8 +21,11 @@ from typing import Sequence
 import torch
 
 from folio.kernels import cpu_ops
-from folio.worker.logits_processing import NEG_INF, History, process_logits
+from folio.worker.logits_processing import NEG_INF, History, mask_grammars, process_logits
 from folio.worker.sampling_params import SamplingParams
+
+
+MASKED_LOGPROB = -9999.0  # a token the grammar forbids (log 0), as vLLM sends it
 
 
 @dataclass
@@ -164,8 +170,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         tokens = cpu_ops.argmax_rows(logits)
         if not sampled or _draw_rows(logits, tokens, sampled, params, generators):
             return SampleResult(tokens.tolist(), [None] * n)
-    logits = logits.float()
-    processed = process_logits(logits, params, histories, eos_ids, grammars)
+    # the logprobs are read after the grammars' masks and before the rest, as vLLM's are
+    logits = mask_grammars(logits.float(), params, histories, grammars)
+    processed = process_logits(logits, params, histories, eos_ids, grammars, masked=True)
     tokens = cpu_ops.argmax_rows(processed)  # torch.argmax's indices, ~10x faster on a CPU's vocab rows
     if sampled and not _draw_rows(processed, tokens, sampled, params, generators):
         # the torch path, where the library is not built (and the kernel's oracle in the tests)
@@ -186,7 +193,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         kmax = max(params[i].logprobs or 0 for i in want)  # > the vocabulary (past validation): raises
         top_v, top_i = rows.topk(kmax, dim=-1) if kmax else (rows[:, :0], rows[:, :0])
         for r, (i, vs, ts) in enumerate(zip(want, top_v.tolist(), top_i.tolist())):
-            lps[i] = {token_list[i]: chosen[r]}
+            lps[i] = {token_list[i]: max(chosen[r], MASKED_LOGPROB)}
             for lp, t in zip(vs[:params[i].logprobs or 0], ts):
-                lps[i].setdefault(int(t), lp)
+                lps[i].setdefault(int(t), max(lp, MASKED_LOGPROB))
     return SampleResult(token_list, lps)

@@ -177,6 +177,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None  # the engine failed this request (finish_reason "error"): why
+    error_param: str | None = None  # the request field its error concerns (a grammar's: the field it came in)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token (the first: None)
 
     # Shortcuts to the first completion, as in DESIGN.md: outs[i].token_ids / .text / .finish_reason

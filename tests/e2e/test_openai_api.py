@@ -83,7 +83,9 @@ AGENT = [{"role": "system", "content": "You call tools."},
 
 def test_text_parts_are_the_string_content(folio_server):
     as_string = chat(folio_server, [{"role": "user", "content": "hello\nthere"}])
+    # (an empty part adds no line, as vLLM joins them: it added "\n")
     as_parts = chat(folio_server, [{"role": "user", "content": [{"type": "text", "text": "hello"},
+                                                                {"type": "text", "text": ""},
                                                                 {"type": "text", "text": "there"}]}])
     assert as_string[0] == as_parts[0] == 200
     assert as_parts[1]["choices"][0]["message"] == as_string[1]["choices"][0]["message"]
@@ -486,6 +488,25 @@ def test_stop_reason_names_the_stop_string_or_token(folio_server, path):
             assert (got["finish_reason"], got["stop_reason"]) == (reason, want), (extra, stream, got)
 
 
+def test_an_eos_in_stop_token_ids_is_no_stop_reason(folio_server, tokenizer):
+    """EOS is checked first (vLLM's order): a completion ended by EOS has stop_reason null even where
+    stop_token_ids names it too (the frontend named the id: it saw only the list)."""
+    body = {**COMPLETION_BASE, "max_tokens": 8, "guided_choice": ["yes"], "stop_token_ids": [tokenizer.eos_token_id]}
+    for stream in (False, True):
+        status, out = post(folio_server, "/v1/completions", {**body, "stream": stream})
+        assert status == 200, out
+        ends = [c for e in sse_events(out) for c in e["choices"] if c["finish_reason"]] if stream else out["choices"]
+        assert [(c["finish_reason"], c["stop_reason"]) for c in ends] == [("stop", None)], ends
+
+
+@pytest.mark.parametrize("field, value", [("structured_outputs", {"choice": ["yes"]}), ("guided_choice", ["yes"]),
+                                          ("response_format", {"type": "json_object"})])
+def test_a_grammar_emptied_in_the_step_names_the_field_it_came_in(folio_server, field, value):
+    """The worker's refusal of a grammar its other masks empty named response_format, whatever the field."""
+    err = refused(folio_server, "/v1/completions", {**COMPLETION_BASE, field: value, "allowed_token_ids": [5]}, field)
+    assert "no token" in err["message"], err
+
+
 def test_completions_top_logprobs_hold_the_token_itself(folio_server):
     """The legacy API's "up to logprobs + 1" (vLLM's too): the token drawn is in its step's top_logprobs
     even outside the top k. With logprobs 0 they were all {}; with a token forced by allowed_token_ids,
@@ -560,21 +581,51 @@ def test_continue_final_message_continues_an_assistant_prefill(folio_server, cli
 
 
 def test_chat_logprobs_bytes_join_into_the_content(folio_server):
-    """Each token's own bytes (a token holding part of a character had "\ufffd"'s), streamed or not."""
+    """Each token's own bytes (a token holding part of a character had "\ufffd"'s), streamed or not, and
+    with tokens named "token_id:N" (their bytes were the name's)."""
     text = "日本語 é 😀 naïve"
-    for stream in (False, True):
+    for stream, as_ids in ((False, False), (True, False), (False, True)):
         status, out = chat(folio_server, [{"role": "user", "content": "hi"}], max_tokens=60, logprobs=True,
-                           top_logprobs=2, guided_choice=[text], stream=stream)
+                           top_logprobs=2, guided_choice=[text], stream=stream, return_tokens_as_token_ids=as_ids)
         assert status == 200, out
         if stream:
             choices = [c for e in sse_events(out) for c in e["choices"]]
             content = [t for c in choices if c["logprobs"] for t in c["logprobs"]["content"]]
         else:
             content = out["choices"][0]["logprobs"]["content"]
-        assert any(t["token"] == "\ufffd" for t in content)  # some token holds part of a character
-        assert content[-1]["token"] == "</s>"  # the grammar's end (in the logprobs, not in the text)
+        assert as_ids or any(t["token"] == "\ufffd" for t in content)  # some token holds part of a character
+        assert bytes(content[-1]["bytes"]) == b"</s>"  # the grammar's end (in the logprobs, not in the text)
         content = content[:-1]
         assert b"".join(bytes(t["bytes"]) for t in content).decode() == text, content
+
+
+def test_return_token_ids_gives_each_choices_ids_and_its_prompts(folio_server, tokenizer):
+    """vLLM's return_token_ids (a 400 before; RL clients send it): completions' choices carry their
+    prompt's ids and their own, chat's response the prompt's and its choices their own; streamed, the
+    prompt's on the first chunk (chat: the role chunks) and each chunk's own, adding up to the same."""
+    gen = {"max_tokens": 5, "temperature": 0, "ignore_eos": True, "n": 2, "return_token_ids": True}
+    msgs = [{"role": "user", "content": "hi"}]
+    for path, body, prompt in (
+            ("/v1/completions", {"prompt": ["def f(x):", "import"], **gen}, None),
+            ("/v1/chat/completions", {"messages": msgs, **gen},
+             post(folio_server, "/tokenize", {"messages": msgs})[1]["tokens"])):
+        status, out = post(folio_server, path, body)
+        assert status == 200, out
+        for c in out["choices"]:
+            want = prompt or tokenizer(body["prompt"][c["index"] // 2]).input_ids
+            assert (c.get("prompt_token_ids") or out["prompt_token_ids"]) == want, (path, c)
+            text = c["text"] if "text" in c else c["message"]["content"]
+            # (a character's bytes left incomplete at the end are not text)
+            assert len(c["token_ids"]) == 5 and tokenizer.decode(c["token_ids"]).rstrip("\ufffd") == text, c
+        status, raw = post(folio_server, path, {**body, "stream": True})
+        events = sse_events(raw)
+        for c in out["choices"]:
+            mine = [ch for e in events for ch in e["choices"] if ch["index"] == c["index"]]
+            assert sum((ch.get("token_ids", []) for ch in mine), []) == c["token_ids"]
+            firsts = [e.get("prompt_token_ids") or ch.get("prompt_token_ids") for e in events for ch in e["choices"]
+                      if ch["index"] == c["index"]]
+            assert firsts[0] == (prompt or c["prompt_token_ids"]) and not any(firsts[1:]), path
+    assert "token_ids" not in post(folio_server, "/v1/completions", COMPLETION_BASE)[1]["choices"][0]
 
 
 def test_chat_streams_start_with_a_role_chunk_and_a_user_final_message_is_answered_as_user(folio_server):
