@@ -116,20 +116,22 @@ def mask_grammars(logits: torch.Tensor, params: list, histories: Sequence[Histor
 
 
 def process_logits(logits: torch.Tensor, params: list, histories: Sequence[History] | None,
-                   eos_ids=(), grammars=None, masked: bool = False) -> torch.Tensor:
+                   eos_ids=(), grammars=None, masked: bool = False, in_place: bool = False) -> torch.Tensor:
     """float32 logits [N, V] with each row's logits processing applied (a new tensor when any is;
     `logits` itself when no row asks for any). Each kind is one batched operation over the rows
     that use it, touching only the ids it concerns (gather / scatter), never a dense [N, V] pass
     but for allowed_token_ids (everything else masked). `masked`: the grammars' masks are applied
-    already (mask_grammars)."""
+    already (mask_grammars); `in_place`: `logits` is the caller's own copy, processed as it is."""
     rows = [i for i, p in enumerate(params) if p.processes_logits]
     if not rows:
         return logits
     if histories is None:
         raise ValueError("logits processing needs each row's tokens (histories)")
     if not masked:
-        logits = mask_grammars(logits, params, histories, grammars)  # structured output first (vLLM's order)
-    logits = logits.clone()
+        masked_copy = mask_grammars(logits, params, histories, grammars)  # structured output first (vLLM's order)
+        in_place, logits = in_place or masked_copy is not logits, masked_copy
+    if not in_place:
+        logits = logits.clone()
     vocab, device = logits.shape[-1], logits.device
 
     def put(r: list[int], t: list[int], values: list[float]) -> None:
