@@ -176,7 +176,7 @@ class Router:
             wid = power_of_two(cands, self._rng)
         else:
             block_size = cands[0].block_size
-            hashes = hash_full_blocks(req.prompt_token_ids, block_size, self.hash_seed)
+            hashes = hash_full_blocks(req.prompt_token_ids, block_size, self.hash_seed, req.params.cache_salt)
             matches = await self._prefix_matches(list(loads), hashes)
             # figures again after the await: picks made meanwhile (a burst) count, or every
             # prompt of a burst would see the same loads and go to the same worker

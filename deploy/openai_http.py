@@ -36,6 +36,7 @@ from folio.deploy.openai_errors import HTTPError
 from folio.deploy.openai_response import respond
 from folio.deploy.openai_run import Run
 from folio.deploy.openai_sampling import keep_tokens
+from folio.deploy.openai_tools import check_template_tools
 from folio.deploy.openai_schema import ChatCompletionRequest, CompletionRequest, parse
 from folio.worker.errors import InvalidRequestError
 from folio.worker.sampling_params import MAX_TOKENS, SamplingParams
@@ -158,9 +159,8 @@ async def chat_completions(frontend: Frontend, body: dict):
     req = await parse_body(ChatCompletionRequest, body)
     model = resolve_model(frontend, req.model)
     n = req.sampling_params(MAX_TOKENS).n  # the cheap checks before the template is rendered (as above)
-    if req.tool_plan().renders and "tools" not in (getattr(frontend.tokenizer, "chat_template", None) or ""):
-        raise InvalidRequestError("this model's chat template has no tool support: tools can only be given "
-                                  'with tool_choice "none"', param="tools")
+    if req.tool_plan().renders:
+        check_template_tools(frontend.tokenizer)
     messages = req.template_messages() if len(req.messages) < 256 else await asyncio.to_thread(req.template_messages)
     ids = req.truncate(await frontend.prompts.chat_ids(messages, req.generation_prompt(), req.template_kwargs(),
                                                        bool(req.continue_final_message)), frontend.cfg.max_model_len)

@@ -64,6 +64,7 @@ class SamplingRequest(RefusingModel):
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None  # only xgrammar (or "auto")
     structured_outputs: dict[str, Any] | None = None  # vLLM 0.32's: {"json" | "regex" | "choice" | "grammar" | ...}
+    cache_salt: str | None = None  # vLLM's: only requests of the same salt share cached prefix blocks
     return_token_ids: bool | None = None  # vLLM's: each choice's token ids and its prompt's, beside the text
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep the prompt's last k tokens (-1: what fits; vLLM)
     return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:<id>" (vLLM)
@@ -103,7 +104,8 @@ class SamplingRequest(RefusingModel):
             presence_penalty=v(self.presence_penalty, 0.0), frequency_penalty=v(self.frequency_penalty, 0.0),
             repetition_penalty=v(self.repetition_penalty, 1.0), logit_bias=_logit_bias(self.logit_bias),
             min_tokens=v(self.min_tokens, 0), bad_words=self.bad_words or [],
-            allowed_token_ids=self.allowed_token_ids, prompt_logprobs=self._prompt_logprobs(), guided=self._guided())
+            allowed_token_ids=self.allowed_token_ids, prompt_logprobs=self._prompt_logprobs(), guided=self._guided(),
+            cache_salt=self.cache_salt)
 
     def _guided(self) -> GuidedSpec | None:
         """The one structured-output constraint asked for (two at once is a 400), as a GuidedSpec."""

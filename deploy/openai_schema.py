@@ -25,7 +25,7 @@ from pydantic import Field, PrivateAttr, ValidationError
 from folio.deploy.openai_messages import RESERVED_TEMPLATE_KWARGS, ChatMessage
 from folio.deploy.openai_sampling import SamplingRequest
 from folio.deploy.openai_unsupported import (UNSUPPORTED, UNSUPPORTED_CHAT, UNSUPPORTED_COMPLETIONS, RefusingModel,
-                                             StrictModel, is_empty)
+                                             StrictModel)
 from folio.worker.errors import InvalidRequestError
 from folio.worker.guided import GuidedSpec
 from folio.worker.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -149,9 +149,10 @@ class TokenizeRequest(RefusingModel):
     continue_final_message: bool | None = None
     return_token_strs: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict] | None = None  # rendered by the chat template, as chat completions' with tool_choice "auto"
     UNSUPPORTED_FIELDS: ClassVar[dict[str, tuple]] = {
         **{k: UNSUPPORTED_CHAT[k] for k in ("chat_template", "documents")},
-        "tools": (is_empty, "tools is not supported"), "mm_processor_kwargs": UNSUPPORTED["mm_processor_kwargs"]}
+        "mm_processor_kwargs": UNSUPPORTED["mm_processor_kwargs"]}
 
     def check(self) -> None:
         self.refuse_unsupported()

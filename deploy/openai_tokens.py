@@ -4,8 +4,8 @@
     POST /tokenize   {"model", "prompt"} | {"model", "messages"}  -> {"tokens", "count", "max_model_len"}
                      (+ "token_strs" with return_token_strs; add_special_tokens: default true for
                      a prompt, false for messages; messages go through the chat template as in chat
-                     completions, add_generation_prompt, continue_final_message and
-                     chat_template_kwargs included)
+                     completions, add_generation_prompt, continue_final_message,
+                     chat_template_kwargs and tools included)
     POST /detokenize {"model", "tokens"}                          -> {"prompt": text}
     GET  /version                                                 -> {"version": Folio's version}
 
@@ -20,6 +20,8 @@ from importlib import metadata
 from folio.deploy.frontend import Frontend
 from folio.deploy.openai_http import parse_body, resolve_model, too_many_messages
 from folio.deploy.openai_schema import DetokenizeRequest, TokenizeRequest, generation_prompt
+from folio.deploy.openai_tools import check_template_tools, tool_plan
+from folio.worker.errors import InvalidRequestError
 from folio.worker.sampling_params import check_token_ids
 
 
@@ -31,8 +33,14 @@ async def tokenize(frontend: Frontend, body: dict) -> dict:
     p = frontend.prompts
     if req.messages is not None:
         messages = [m.template_dict(i) for i, m in enumerate(req.messages)]
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.tools:  # checked and shown as chat completions shows them (vLLM's /tokenize takes them too)
+            check_template_tools(frontend.tokenizer)
+            kwargs["tools"] = tool_plan(req.tools, "auto").tools
         ids = await p.chat_ids(messages, generation_prompt(req.add_generation_prompt, req.continue_final_message),
-                               dict(req.chat_template_kwargs or {}), bool(req.continue_final_message))
+                               kwargs, bool(req.continue_final_message))
+    elif req.tools:
+        raise InvalidRequestError("tools need messages", param="tools")
     elif req.prompt:
         p.check_length(len(req.prompt))
         ids = await p.run(p.encode, req.prompt, req.add_special_tokens is not False, False)

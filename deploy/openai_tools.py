@@ -199,6 +199,13 @@ def merge_deltas(deltas: list[dict]) -> list[dict]:
     return [calls[i] for i in sorted(calls)]
 
 
+def check_template_tools(tokenizer) -> None:
+    """Tools are shown to the model by its chat template: one that never reads `tools` cannot."""
+    if "tools" not in (getattr(tokenizer, "chat_template", None) or ""):
+        raise InvalidRequestError("this model's chat template has no tool support: tools can only be given "
+                                  'with tool_choice "none"', param="tools")
+
+
 def tool_plan(tools: list | None, tool_choice) -> ToolPlan:
     if tool_choice is None:
         tool_choice = "auto" if tools else "none"

@@ -52,7 +52,6 @@ UNSUPPORTED: dict[str, tuple] = {
     # both: the fast tokenizers Folio loads put no space between special tokens either way (vLLM's too)
     "spaces_between_special_tokens": (lambda v: v is None or isinstance(v, bool),
                                       "spaces_between_special_tokens is not supported other than as true or false"),
-    "cache_salt": (lambda v: v is None, "cache_salt is not supported"),
     "kv_transfer_params": (is_empty, "kv_transfer_params is not supported"),
     "vllm_xargs": (is_empty, "vllm_xargs is not supported"),
     "mm_processor_kwargs": (is_empty, "mm_processor_kwargs is not supported (text-only models)"),

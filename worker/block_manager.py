@@ -82,7 +82,8 @@ class PagedKVManager:
         B, hashes, toks = self.block_size, seq.block_hashes, seq.token_ids
         while len(hashes) < n:
             j = len(hashes)
-            hashes.append(hash_block(hashes[-1] if j else None, toks[j * B : (j + 1) * B], self.hash_seed))
+            hashes.append(hash_block(hashes[-1] if j else None, toks[j * B : (j + 1) * B], self.hash_seed,
+                                     seq.params.cache_salt))
 
     def cached_block_hashes(self) -> set[BlockHash]:
         """Every prefix block hash this cache can serve now (O(cached blocks): for a resync)."""

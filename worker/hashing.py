@@ -3,7 +3,9 @@
     hash(block j) = H(seed, hash(block j-1), tokens of block j)
 
 H is keyed BLAKE2b with a 16-byte digest over the parent's digest (16 zero bytes for the
-first block) followed by the block's token ids as native int64 (array "q").
+first block; with a request's `cache_salt`, vLLM's tenant isolation, the salt's own digest)
+followed by the block's token ids as native int64 (array "q"): requests of different salts
+never name the same blocks, so one tenant cannot time another's cached prefixes.
 A hash names a candidate only: a cache hit is confirmed by comparing the tokens
 stored with the block (block_pool.py), never by trusting the hash.
 
@@ -33,14 +35,24 @@ def _keyed(seed: bytes):
     return hashlib.blake2b(digest_size=16, key=seed)
 
 
-def hash_block(parent: BlockHash | None, tokens: list[int] | tuple[int, ...], seed: bytes = DEFAULT_HASH_SEED) -> BlockHash:
+@lru_cache(maxsize=1024)
+def _first_parent(salt: str | None) -> bytes:
+    """The first block's parent: none, or the salt's digest (under a key of its own)."""
+    if salt is None:
+        return _NO_PARENT
+    return hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=16, key=b"folio-cache-salt").digest()
+
+
+def hash_block(parent: BlockHash | None, tokens: list[int] | tuple[int, ...], seed: bytes = DEFAULT_HASH_SEED,
+               salt: str | None = None) -> BlockHash:
     h = _keyed(seed).copy()
-    h.update(parent or _NO_PARENT)
+    h.update(parent or _first_parent(salt))
     h.update(array("q", tokens))
     return h.digest()
 
 
-def hash_full_blocks(tokens: list[int], block_size: int, seed: bytes = DEFAULT_HASH_SEED) -> list[BlockHash]:
+def hash_full_blocks(tokens: list[int], block_size: int, seed: bytes = DEFAULT_HASH_SEED,
+                     salt: str | None = None) -> list[BlockHash]:
     """Chained hashes of every full block of `tokens` (the partial tail block is not read)."""
     n = len(tokens) // block_size
     if n <= 0:
@@ -49,7 +61,7 @@ def hash_full_blocks(tokens: list[int], block_size: int, seed: bytes = DEFAULT_H
     step = block_size * _INT64
     base = _keyed(seed)
     out: list[BlockHash] = []
-    parent = _NO_PARENT
+    parent = _first_parent(salt)
     for off in range(0, n * step, step):
         h = base.copy()
         h.update(parent)

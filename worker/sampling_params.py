@@ -40,6 +40,7 @@ MAX_N = 1024
 MAX_TOKENS = 2**31 - 1
 MAX_TOP_K = 2**31 - 1
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI: 20 top_logprobs (chat), 5 logprobs (completions)
+MAX_SALT_CHARS = 1024
 SEED_LIMIT = 2**64  # seeds are in [0, SEED_LIMIT): what torch.Generator.manual_seed takes
 GREEDY_TEMPERATURE = 1e-5  # below it logits / T overflow float32: such a request is greedy
 MAX_STOP = 64
@@ -96,7 +97,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     detokenize: bool = True
     # logits processing (sampler.process_logits), in vLLM's order: allowed_token_ids, bad words,
-    # logit_bias, min_tokens, then the penalties; logprobs stay those of the raw logits (vLLM's default)
+    # logit_bias, min_tokens, then the penalties; logprobs are read before them (after a grammar's mask)
     presence_penalty: float = 0.0  # minus this from a token's logit once it is in the output
     frequency_penalty: float = 0.0  # minus this times its count in the output
     repetition_penalty: float = 1.0  # a logit of a token in the prompt or output: / p if > 0, else * p (HF)
@@ -106,6 +107,7 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # a sequence never emitted whole
     allowed_token_ids: list[int] | None = None  # only these can be sampled
     guided: "GuidedSpec | None" = None  # structured output: the grammar the output must match (guided.py)
+    cache_salt: str | None = None  # prefix cache: only requests of the same salt share blocks (vLLM's; hashing.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -157,6 +159,9 @@ class SamplingParams:
             bad(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
             bad(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt)
+                                            <= MAX_SALT_CHARS):
+            bad(f"cache_salt must be a non-empty string of at most {MAX_SALT_CHARS} characters")
         if len(self.stop) > MAX_STOP or any(not isinstance(s, str) or not s or len(s) > MAX_STOP_CHARS
                                             for s in self.stop):
             bad(f"stop must be at most {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters")

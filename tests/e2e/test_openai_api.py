@@ -173,6 +173,7 @@ def test_tools_with_tool_choice_none_are_not_rendered(folio_server):
         body = {"messages": msgs, "tools": tools, **({"tool_choice": choice} if choice else {})}
         assert "no tool support" in refused(folio_server, "/v1/chat/completions", body, "tools")["message"]
     refused(folio_server, "/v1/chat/completions", {"messages": msgs, "tools": tools, "stream": True}, "tools")
+    assert "no tool support" in refused(folio_server, "/tokenize", {"messages": msgs, "tools": tools}, "tools")["message"]
     refused(folio_server, "/v1/chat/completions", {"messages": msgs, "tools": tools,
                                                    "tool_choice": {"type": "function", "function": {"name": "g"}}},
             "tool_choice")
@@ -626,6 +627,17 @@ def test_return_token_ids_gives_each_choices_ids_and_its_prompts(folio_server, t
                       if ch["index"] == c["index"]]
             assert firsts[0] == (prompt or c["prompt_token_ids"]) and not any(firsts[1:]), path
     assert "token_ids" not in post(folio_server, "/v1/completions", COMPLETION_BASE)[1]["choices"][0]
+
+
+def test_cache_salt_is_served_and_checked(folio_server):
+    """vLLM's cache_salt (a 400 before): a request shares cached prefix blocks only with its own salt
+    (tests/engine/test_parity_hf.py); the output is the same; an empty or non-string salt is a 400."""
+    body = {**COMPLETION_BASE, "prompt": "def f(x):\n    return x * 2\n" * 4, "max_tokens": 4}
+    outs = [post(folio_server, "/v1/completions", {**body, **extra}) for extra in ({}, {"cache_salt": "a"},
+                                                                                   {"cache_salt": "a"})]
+    assert all(s == 200 for s, _ in outs) and len({o["choices"][0]["text"] for _, o in outs}) == 1, outs
+    for bad in ("", 5, "x" * 1025):
+        refused(folio_server, "/v1/chat/completions", {**CHAT_BASE, "cache_salt": bad}, "cache_salt")
 
 
 def test_chat_streams_start_with_a_role_chunk_and_a_user_final_message_is_answered_as_user(folio_server):

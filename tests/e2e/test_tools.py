@@ -216,3 +216,25 @@ def test_tool_calls_stream_to_the_openai_client(tool_server, choice):
         assert (content.strip() or None) == want.message.content
         if choice == "auto":
             assert want.message.content == "Let me add.  ok" and calls[0]["name"] == "add"
+
+
+def test_tokenize_renders_tools_as_chat_completions_does(tool_server, tool_model):
+    """vLLM's /tokenize takes tools (a 400 before): the ids are the chat template's with the tools shown,
+    as chat completions' prompt is; tools without messages are a 400 naming tools."""
+    import http.client
+
+    _, tok = tool_model
+    messages = [{"role": "user", "content": "2 + 3?"}]
+
+    def tokenize(body):
+        host, port = tool_server["http"].removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/tokenize", json.dumps(body), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    status, out = tokenize({"messages": messages, "tools": TOOLS})
+    want = tok.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=True)
+    assert status == 200 and out["tokens"] == list(want["input_ids"] if hasattr(want, "keys") else want), out
+    assert len(out["tokens"]) > len(tokenize({"messages": messages})[1]["tokens"])
+    status, out = tokenize({"prompt": "hi", "tools": TOOLS})
+    assert status == 400 and out["error"]["param"] == "tools", out

@@ -73,6 +73,24 @@ def test_prefix_cache_hits_match_hf(model_dirs, hf_reference, arch):
     assert_same(llm.generate(prompts, GREEDY), hf_reference(model_dirs[arch], prompts, MAX_TOKENS))
 
 
+def test_a_cache_salt_shares_cached_prefixes_only_with_its_own(model_dirs, hf_reference):
+    """vLLM's cache_salt (tenant isolation: another tenant cannot time your cached prefix): a request
+    hits only blocks that requests of its own salt stored; the output is the same whatever hits."""
+    prompt = ["import collections\nimport functools\nimport itertools\n\ndef cached(func):\n    memo = {}\n"]
+    llm = LLM(model_dirs["llama"], block_size=8, num_kv_blocks=256)
+    want = hf_reference(model_dirs["llama"], prompt, MAX_TOKENS)
+
+    def hits(salt):
+        before = llm.engine.stats().prefix_cache_hits
+        out = llm.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, cache_salt=salt))
+        assert_same(out, want)
+        return llm.engine.stats().prefix_cache_hits - before
+    assert hits("tenant-a") == 0
+    assert [hits(s) for s in (None, "tenant-b", "tenant-a ")] == [0, 0, 0]  # no salt is a salt of its own
+    assert hits("tenant-a") >= 4 and hits(None) >= 4 and hits("tenant-b") >= 4
+    llm.engine.check_invariants()
+
+
 def test_contiguous_baseline_matches_hf(model_dirs, hf_reference):
     llm = LLM(model_dirs["llama"], block_size=16, num_kv_blocks=64, max_model_len=256,
               kv_manager="contiguous")

@@ -10,10 +10,12 @@ from hypothesis import strategies as st
 from folio.worker.hashing import DEFAULT_HASH_SEED, hash_block, hash_full_blocks
 
 
-def spec_block(parent, tokens, seed=DEFAULT_HASH_SEED):
-    """hash(block) = keyed BLAKE2b-128 over the parent digest (16 zero bytes for the first
-    block) then the tokens as little-endian int64."""
-    data = (parent or b"\0" * 16) + struct.pack(f"<{len(tokens)}q", *tokens)
+def spec_block(parent, tokens, seed=DEFAULT_HASH_SEED, salt=None):
+    """hash(block) = keyed BLAKE2b-128 over the parent digest (the first block's: 16 zero bytes, or
+    with a cache_salt its BLAKE2b-128 keyed "folio-cache-salt") then the tokens as little-endian int64."""
+    first = b"\0" * 16 if salt is None else hashlib.blake2b(salt.encode(), digest_size=16,
+                                                              key=b"folio-cache-salt").digest()
+    data = (parent or first) + struct.pack(f"<{len(tokens)}q", *tokens)
     return hashlib.blake2b(data, digest_size=16, key=seed).digest()
 
 
@@ -34,16 +36,20 @@ tokens = st.lists(st.integers(-(2**63), 2**63 - 1), max_size=200)
 
 
 @settings(max_examples=300, deadline=None)
-@given(tokens, st.integers(1, 40), st.sampled_from([DEFAULT_HASH_SEED, b"", b"s" * 64]))
-def test_the_chain_equals_the_spec(toks, block_size, seed):
+@given(tokens, st.integers(1, 40), st.sampled_from([DEFAULT_HASH_SEED, b"", b"s" * 64]),
+       st.none() | st.text(min_size=1, max_size=20))
+def test_the_chain_equals_the_spec(toks, block_size, seed, salt):
     want, parent = [], None
     for j in range(len(toks) // block_size):
-        parent = spec_block(parent, toks[j * block_size : (j + 1) * block_size], seed)
+        parent = spec_block(parent, toks[j * block_size : (j + 1) * block_size], seed, salt)
         want.append(parent)
-    assert hash_full_blocks(toks, block_size, seed) == want
+    assert hash_full_blocks(toks, block_size, seed, salt) == want
     # the engine's per-block path (block_manager) gives the same chain
     got, parent = [], None
     for j in range(len(toks) // block_size):
-        parent = hash_block(parent, tuple(toks[j * block_size : (j + 1) * block_size]), seed)
+        parent = hash_block(parent, tuple(toks[j * block_size : (j + 1) * block_size]), seed, salt)
         got.append(parent)
     assert got == want
+    if want and salt is not None:  # a salt names other blocks than no salt, and than another salt
+        assert not set(want) & set(hash_full_blocks(toks, block_size, seed))
+        assert not set(want) & set(hash_full_blocks(toks, block_size, seed, salt + "x"))
