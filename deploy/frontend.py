@@ -139,7 +139,8 @@ class Frontend:
     async def chat_ids(self, messages: list[dict]) -> list[int]:
         return await self.prompts.chat_ids(messages)
 
-    async def check(self, prompts: list[list[int]], params: SamplingParams, priority: int) -> None:
+    async def check(self, prompts: list[list[int]], params: SamplingParams, priority: int,
+                    prompt_param: str = "prompt") -> None:
         """Every bound the workers would enforce, checked before admission, so a request is
         refused whole (nothing of it runs) and no value the engine cannot take reaches it. A
         grammar compiles on a thread of its own (xgrammar lets go of the GIL): a schema that took
@@ -150,7 +151,7 @@ class Frontend:
             if len(ids) >= self.cfg.max_model_len:
                 raise InvalidRequestError(f"the prompt has {len(ids)} tokens; max_model_len is "
                                           f"{self.cfg.max_model_len}, which leaves no room for a generated token",
-                                          param="prompt")
+                                          param=prompt_param)  # (chat's: "messages")
         if params.n > self.cfg.max_num_seqs:
             raise InvalidRequestError(f"n={params.n} completions exceed max_num_seqs={self.cfg.max_num_seqs}",
                                       param="n")

@@ -178,7 +178,7 @@ def replace_max_tokens(req, max_tokens: int) -> SamplingParams:
 async def _start(frontend: Frontend, req, prompts: list[list[int]], params: SamplingParams, chat: bool, model: str,
                  echo: list[str] | None, echo_only: bool = False):
     priority = 0 if req.priority is None else req.priority
-    await frontend.check(prompts, params, priority)
+    await frontend.check(prompts, params, priority, "messages" if chat else "prompt")
     admission = frontend.admit(len(prompts))
     try:
         run = Run(frontend, prompts, params, priority, admission)

@@ -260,6 +260,8 @@ def schema_noop(path, name, value) -> bool:
         "type": "object", "properties": {"a": {"type": "number", "multipleOf": 0.5}}}}}}, "response_format"),
     ("/v1/chat/completions", {"tool_choice": "required", "tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "properties": {"a": {"not": {}}}}}}]}, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 400}]}, "messages"),
+    ("/v1/completions", {"prompt": "word " * 400}, "prompt"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": [[]]}, "prompt"),
     ("/v1/completions", {"prompt": ["a", ""]}, "prompt"),
