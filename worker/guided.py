@@ -214,9 +214,10 @@ class Grammars:
             if seq.grammar is None:
                 self.matcher(seq)  # replays every output token, this one included
             elif not seq.grammar.accept_token(token):  # drawn from a row its other masks emptied
-                raise InvalidRequestError(f"the request's grammar and its other constraints (min_tokens, "
-                                          f"allowed_token_ids, bad_words, logit_bias) leave no token to draw (token "
-                                          f"{token} does not match the grammar)", param=seq.params.guided.param)
+                # (the token drawn from a row with nothing left is no information: it was not named)
+                raise InvalidRequestError("the request's grammar and its other constraints (allowed_token_ids, "
+                                          "bad_words, logit_bias) leave no token to draw after "
+                                          f"{seq.num_output_tokens - 1} output tokens", param=seq.params.guided.param)
         finally:
             self.evaluating = None
 
