@@ -10,7 +10,9 @@ import time
 import torch
 
 from folio.worker import fault_isolation
+from folio.worker.errors import InvalidRequestError
 from folio.worker.outputs import make_request_output
+from folio.worker.sampler import NO_TOKEN
 from folio.worker.sequence import CompletionOutput, RequestOutput, Sequence, SequenceGroup
 
 
@@ -75,6 +77,9 @@ class Postprocess:
 
     def _append_token(self, seq: Sequence, token: int, logprob: dict[int, float] | None) -> None:
         p = seq.params
+        if token == NO_TOKEN:  # its row was empty: the request's own bad words ban all it allows
+            raise InvalidRequestError(f"bad_words ban every token allowed_token_ids allows after "
+                                      f"{seq.num_output_tokens} output tokens: no token to draw", param="bad_words")
         seq.token_ids.append(token)
         if seq.logprobs is not None:
             seq.logprobs.append(logprob)
@@ -113,9 +118,9 @@ class Postprocess:
             group.metrics.finished_time = time.monotonic()
             done = [CompletionOutput(s.index, [], "", "error") for s in group.seqs]
             guided = group.params.guided
+            param = getattr(why, "param", None) or (guided.param if guided is not None else None)
             outs.append(RequestOutput(rid, group.prompt, group.prompt_token_ids, done, True, group.metrics,
-                                      error=f"request {rid} failed in the engine: {why}",
-                                      error_param=guided.param if guided is not None else None))
+                                      error=f"request {rid} failed in the engine: {why}", error_param=param))
         return outs
 
     def _make_outputs(self, groups, now: float) -> list[RequestOutput]:

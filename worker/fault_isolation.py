@@ -28,16 +28,22 @@ import traceback
 
 import torch
 
-from folio.worker.errors import EngineFailedError
+from folio.worker.errors import EngineFailedError, InvalidRequestError
 from folio.worker.sequence import Sequence
 
 Scheduled = list[tuple[Sequence, int]]
 
 
-def describe(e: BaseException) -> str:
+class Fault(str):
+    """describe's line; `param`: the request field an InvalidRequestError named (or None)."""
+    param: str | None = None
+
+
+def describe(e: BaseException) -> Fault:
     """One line for the client: the exception's type and message, no traceback."""
-    line = traceback.format_exception_only(type(e), e)[-1].strip()
-    return line[:500]
+    line = Fault(traceback.format_exception_only(type(e), e)[-1].strip()[:500])
+    line.param = e.param if isinstance(e, InvalidRequestError) else None
+    return line
 
 
 def _by_request(items: list, key) -> list[list]:

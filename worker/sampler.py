@@ -11,6 +11,8 @@ Logprobs are those of the logits with only the structured-output grammar's mask 
 vLLM's default `raw_logprobs` are (its grammar mask is applied before its sampler): a choice's
 logprobs are over the choices, and a token the grammar forbids has MASKED_LOGPROB (vLLM's -9999,
 since JSON has no -inf) where it is among the top k.
+A row without a grammar that its allow list and bad words leave empty draws NO_TOKEN: the engine
+fails that request alone (engine_outputs.py; a grammar's row is its matcher's to refuse).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from folio.worker.sampling_params import SamplingParams
 
 
 MASKED_LOGPROB = -9999.0  # a token the grammar forbids (log 0), as vLLM sends it
+NO_TOKEN = -1  # drawn from a row the request's own masks left empty (a token id never is)
 
 
 @dataclass
@@ -61,6 +64,18 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         probs = probs * keep
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def _emptied(logits: torch.Tensor, params: list[SamplingParams]) -> list[int]:
+    """The rows without a grammar that nothing is left to draw from: the model's logits are finite and
+    logit_bias bounded, so only bad words banning all that an allow list (or the vocabulary) holds."""
+    rows = [i for i, p in enumerate(params) if p.guided is None and p.bad_words_token_ids
+            and (p.allowed_token_ids is not None or len(p.bad_words_token_ids) >= logits.shape[-1])]
+    if not rows:
+        return []
+    idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    alive = torch.isfinite(logits.index_select(0, idx)).any(dim=1).tolist()
+    return [i for i, a in zip(rows, alive) if not a]
 
 
 def _uniforms(generators: list) -> torch.Tensor:
@@ -190,12 +205,16 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             tokens.index_copy_(0, idx, _draw(probs, [generators[i] for i in dense]))
     token_list = tokens.tolist()
     lps: list[dict[int, float] | None] = [None] * n
+    for i in _emptied(processed, params):  # whatever was drawn there, no token the request allows
+        token_list[i] = NO_TOKEN
     if want:  # batched: one gather, one topk (per row, topk took ~150 us of a 49,152-token row)
         rows = torch.log_softmax(masked_rows, dim=-1)
-        chosen = rows.gather(1, torch.tensor([[token_list[i]] for i in want])).flatten().tolist()
+        chosen = rows.gather(1, torch.tensor([[max(token_list[i], 0)] for i in want])).flatten().tolist()
         kmax = max(params[i].logprobs or 0 for i in want)  # > the vocabulary (past validation): raises
         top_v, top_i = rows.topk(kmax, dim=-1) if kmax else (rows[:, :0], rows[:, :0])
         for r, (i, vs, ts) in enumerate(zip(want, top_v.tolist(), top_i.tolist())):
+            if token_list[i] == NO_TOKEN:
+                continue  # its request fails (no logprobs)
             lps[i] = {token_list[i]: max(chosen[r], MASKED_LOGPROB)}
             for lp, t in zip(vs[:params[i].logprobs or 0], ts):
                 lps[i].setdefault(int(t), max(lp, MASKED_LOGPROB))

@@ -227,7 +227,8 @@ class SamplingParams:
 
 
 def check_vocab(params: SamplingParams, vocab_size: int) -> None:
-    """Every token id a request names is one the model has: [0, vocab_size)."""
+    """Every token id a request names is one the model has: [0, vocab_size); and its single-token
+    bad words leave a token to draw (longer ones can still empty a row later: the sampler's NO_TOKEN)."""
     check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids", "stop_token_ids")
     if params.logit_bias:
         check_token_ids(list(params.logit_bias), vocab_size, "logit_bias keys", "logit_bias")
@@ -235,6 +236,11 @@ def check_vocab(params: SamplingParams, vocab_size: int) -> None:
         check_token_ids(params.allowed_token_ids, vocab_size, "allowed_token_ids", "allowed_token_ids")
     for w in params.bad_words_token_ids:
         check_token_ids(w, vocab_size, "bad_words token ids", "bad_words")
+    banned = {w[0] for w in params.bad_words_token_ids if len(w) == 1}  # (ids in [0, vocab_size) by now)
+    allowed = params.allowed_token_ids
+    if banned and (banned.issuperset(allowed) if allowed is not None else len(banned) >= vocab_size):
+        raise InvalidRequestError("bad_words ban every token allowed_token_ids allows: no token to draw",
+                                  param="bad_words")
 
 
 def resolve_bad_words(params: SamplingParams, tokenizer) -> SamplingParams:

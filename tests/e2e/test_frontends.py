@@ -305,6 +305,48 @@ def test_logits_processing_over_http_and_grpc_equals_offline(server, client, stu
     wait_idle(server)
 
 
+def _two_letters_never_merged(tokenizer) -> tuple[str, str]:
+    """Two letters, each one token, every pair of them two tokens (so bad words can ban the pairs)."""
+    one = {c: tokenizer.encode(c, add_special_tokens=False) for c in "abcdefghijklmnopqrstuvwxyz"}
+    one = {c: ids[0] for c, ids in one.items() if len(ids) == 1}
+    for a in one:
+        for b in one:
+            if a < b and all(tokenizer.encode(x + y, add_special_tokens=False) == [one[x], one[y]]
+                             for x in (a, b) for y in (a, b)):
+                return a, b
+    pytest.skip("no two letters that never merge")
+
+
+def test_bad_words_that_leave_no_token_are_refused_naming_them(server, client, stub, tokenizer):
+    """Bad words banning all that allowed_token_ids allows drew token 0, which was not allowed. At once:
+    a 400 before any work; only after a first token (every pair of two allowed letters banned): the
+    worker's refusal, a 400 unstreamed and an error chunk after the first token streamed, gRPC's
+    INVALID_ARGUMENT. Nothing left running."""
+    a, b = _two_letters_never_merged(tokenizer)
+    ids = [tokenizer.encode(c, add_special_tokens=False)[0] for c in (a, b)]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="hi", max_tokens=6,
+                                  extra_body={"allowed_token_ids": ids, "bad_words": [a, b]})
+    assert e.value.body["param"] == "bad_words" and "no token to draw" in e.value.body["message"]
+    body = {"allowed_token_ids": ids, "bad_words": [x + y for x in (a, b) for y in (a, b)]}
+    for temperature in (0, 1):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny", prompt="hi", max_tokens=6, temperature=temperature,
+                                      extra_body=body)
+        assert e.value.body["param"] == "bad_words" and "after 1 output tokens" in e.value.body["message"]
+        texts = []
+        with pytest.raises(openai.APIError) as e:
+            for chunk in client.completions.create(model="tiny", prompt="hi", max_tokens=6, stream=True,
+                                                   temperature=temperature, extra_body=body):
+                texts += [c.text for c in chunk.choices]
+        assert "".join(texts) in (a, b) and e.value.body["param"] == "bad_words", (texts, e.value.body)
+    pairs = [pb.TokenIds(ids=[x, y]) for x in ids for y in ids]
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Generate(req("hi", max_tokens=6, allowed_token_ids=ids, bad_words_token_ids=pairs), metadata=AUTH)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "after 1 output tokens" in e.value.details()
+    wait_idle(server)
+
+
 def test_structured_output_over_http_and_grpc(server, client, stub):
     """response_format json_schema (chat), json_object, guided_choice / guided_regex (completions,
     gRPC): the random-weight model's outputs parse and match; the offline engine gives the same."""

@@ -15,7 +15,7 @@ from transformers import (LogitsProcessor, LogitsProcessorList, MinNewTokensLeng
 
 from folio.worker import LLM, SamplingParams
 from folio.worker.errors import InvalidRequestError
-from folio.worker.sampler import process_logits, sample
+from folio.worker.sampler import NO_TOKEN, process_logits, sample
 from folio.worker.sampling_params import check_vocab, resolve_bad_words
 from conftest import MIN_REFERENCE_MARGIN, PROMPTS
 
@@ -104,6 +104,9 @@ def test_batched_processing_matches_transformers_processors_row_by_row(rows, see
     res = sample(logits, [SamplingParams(**{**p.__dict__, "logprobs": 0}) for p in params], [None] * len(rows),
                  hists, {EOS})
     for r in range(len(rows)):
+        if not torch.isfinite(got[r]).any():  # its own masks left nothing: no token (its request fails)
+            assert res.token_ids[r] == NO_TOKEN and res.logprobs[r] is None
+            continue
         assert res.token_ids[r] == int(got[r].argmax())
         lp = res.logprobs[r][res.token_ids[r]]
         assert math.isclose(lp, float(torch.log_softmax(logits[r], -1)[res.token_ids[r]]), abs_tol=1e-5)
@@ -196,6 +199,62 @@ def test_sampled_rows_respect_masks_whatever_the_draw():
     drawn = {sample(logits, [p], [torch.Generator().manual_seed(s)], [Hist([1], [])]).token_ids[0]
              for s in range(300)}
     assert drawn == {4, 11}
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows=st.lists(st.tuples(st.lists(st.integers(0, 5), min_size=1, max_size=3, unique=True),
+                               st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=3), max_size=10),
+                               st.lists(st.integers(0, 5), min_size=1, max_size=6),
+                               st.sampled_from([0.0, 1.0]), st.sampled_from([None, 2])), min_size=1, max_size=5),
+       seed=st.integers(0, 2**31))
+def test_a_row_its_own_masks_empty_draws_no_token_and_only_such_a_row(rows, seed):
+    """allowed_token_ids and bad words (these over the tokens before, longer ones too) can leave a
+    row nothing to draw: it was drawn from anyway (token 0, not allowed). Such a row gets NO_TOKEN,
+    every other row a token its masks allow, whatever the batch holds, greedy or sampled."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(rows), V, generator=g) * 4
+    params = [SamplingParams(max_tokens=8, temperature=t, seed=1, allowed_token_ids=a, bad_words_token_ids=b,
+                             logprobs=lp) for a, b, _, t, lp in rows]
+    hists = [Hist([9], out) for _, _, out, _, _ in rows]
+    masked = process_logits(logits, params, hists)
+    gens = [torch.Generator().manual_seed(seed + i) for i in range(len(rows))]
+    got = sample(logits, params, gens, hists)
+    for i, (tok, lps) in enumerate(zip(got.token_ids, got.logprobs)):
+        if not torch.isfinite(masked[i]).any():
+            assert tok == NO_TOKEN and lps is None
+        else:
+            assert tok in params[i].allowed_token_ids and math.isfinite(masked[i, tok]), (i, tok)
+            assert (lps is not None) == (params[i].logprobs is not None)
+
+
+def test_bad_words_banning_the_whole_allow_list_are_refused_before_any_work():
+    for allowed, bad in (([4], [[4]]), ([4, 9], [[9], [2, 4], [4]]), (None, [[t] for t in range(V)])):
+        with pytest.raises(InvalidRequestError) as e:
+            check_vocab(SamplingParams(allowed_token_ids=allowed, bad_words_token_ids=bad), V)
+        assert e.value.param == "bad_words" and "no token to draw" in str(e.value)
+    for allowed, bad in (([4, 9], [[9], [2, 4]]), (None, [[t] for t in range(V - 1)]), ([4], [[3, 4]])):
+        check_vocab(SamplingParams(allowed_token_ids=allowed, bad_words_token_ids=bad), V)
+
+
+def test_a_request_its_bad_words_empty_mid_output_fails_alone(model_dirs):
+    """Two allowed tokens and every pair of them banned: the first token is drawn, the second has
+    none. That request fails (a 400's message naming bad_words); the batch's others finish as
+    they would alone, and nothing is left behind."""
+    llm = LLM(model_dirs["llama"], block_size=8, num_kv_blocks=256)
+    plain = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    alone = llm.generate(PROMPTS[:2], plain)
+    pairs = [[a, b] for a in (100, 200) for b in (100, 200)]
+    for temperature in (0.0, 1.0):
+        boxed = SamplingParams(max_tokens=10, temperature=temperature, seed=5, ignore_eos=True, logprobs=2,
+                               allowed_token_ids=[100, 200], bad_words_token_ids=pairs)
+        outs = llm.generate(PROMPTS[:2] + PROMPTS[:1], [plain, plain, boxed])
+        assert [o.outputs[0].token_ids for o in outs[:2]] == [o.outputs[0].token_ids for o in alone]
+        assert outs[0].error is outs[1].error is None
+        assert outs[2].error is not None and "InvalidRequestError" in outs[2].error, outs[2].error
+        assert "after 1 output tokens" in outs[2].error and outs[2].error_param == "bad_words"
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.check_invariants()
+    assert llm.engine.stats().num_free_blocks == llm.engine.stats().num_kv_blocks
 
 
 @pytest.mark.parametrize("bad", [
