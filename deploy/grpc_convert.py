@@ -49,7 +49,8 @@ def sampling_params(s: pb.SamplingParameters) -> SamplingParams:
         repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
         logit_bias=dict(s.logit_bias) or None, min_tokens=s.min_tokens if s.HasField("min_tokens") else 0,
         bad_words=list(s.bad_words), bad_words_token_ids=[list(w.ids) for w in s.bad_words_token_ids],
-        allowed_token_ids=list(s.allowed_token_ids) or None, guided=_guided(s))
+        allowed_token_ids=list(s.allowed_token_ids) or None, guided=_guided(s),
+        cache_salt=s.cache_salt if s.HasField("cache_salt") else None)
 
 
 def _guided(s: pb.SamplingParameters) -> GuidedSpec | None:

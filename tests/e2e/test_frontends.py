@@ -347,6 +347,45 @@ def test_bad_words_that_leave_no_token_are_refused_naming_them(server, client, s
     wait_idle(server)
 
 
+def _prefix_hits_after(server, since: float) -> int:
+    """The workers' prefix-cache hits (blocks) in beats newer than `since`."""
+    state = ClusterState(server["redis"], "fe")
+    deadline = time.monotonic() + 15
+    while True:
+        loads = state.live_loads()
+        if len(loads) == 2 and all(l.timestamp > since for l in loads.values()):
+            return sum(l.counters.prefix_cache_hits for l in loads.values())
+        assert time.monotonic() < deadline, f"no fresh beats: {loads}"
+        time.sleep(0.05)
+
+
+def test_grpc_cache_salt_keeps_cached_prefixes_apart(server, stub):
+    """vLLM's cache_salt over gRPC too (HTTP only before): the first request of a salt (or of none) finds
+    nothing another salt cached, while three of one salt on two workers find their own; a bad salt is
+    INVALID_ARGUMENT."""
+    import uuid
+
+    prompt = f"{uuid.uuid4()} " + "the quick brown fox jumps over the lazy dog " * 5
+
+    def run(salt=None) -> int:
+        r = req(prompt, max_tokens=2, temperature=0) if salt is None else req(prompt, max_tokens=2, temperature=0,
+                                                                             cache_salt=salt)
+        before = _prefix_hits_after(server, time.time())
+        texts.append(stub.Generate(r, metadata=AUTH).completions[0].text)
+        return _prefix_hits_after(server, time.time()) - before
+
+    texts: list[str] = []
+    assert run("tenant-a") == 0
+    assert run("tenant-a") + run("tenant-a") > 0  # (two of three on one worker at least)
+    assert run("tenant-b") == 0 and run() == 0
+    assert len(set(texts)) == 1, texts
+    for bad in ("", "x" * 1025):
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Generate(req("hi", max_tokens=2, cache_salt=bad), metadata=AUTH)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cache_salt" in e.value.details()
+    wait_idle(server)
+
+
 def test_structured_output_over_http_and_grpc(server, client, stub):
     """response_format json_schema (chat), json_object, guided_choice / guided_regex (completions,
     gRPC): the random-weight model's outputs parse and match; the offline engine gives the same."""
