@@ -161,7 +161,7 @@ class Frontend:
         resolve_bad_words(params, self.tokenizer)  # bad_words -> token ids here, so workers need no tokenizer
         check_vocab(params, self.vocab_size)
         if params.guided is not None:  # a schema the workers could not compile: refused before admission
-            await self.grammars.check(params.guided)
+            await self.grammars.check(params.guided, params)
         if len(prompts) > self.cfg.max_num_requests:
             raise InvalidRequestError(f"{len(prompts)} prompts in one request exceed the frontend's limit of "
                                       f"{self.cfg.max_num_requests} in flight", param="prompt")

@@ -29,9 +29,13 @@ class GrammarChecks:
         self._pool = concurrent.futures.ThreadPoolExecutor(THREADS, thread_name_prefix="folio-grammar")
         self._compiling: dict = {}  # spec -> the future of its compile
 
-    async def check(self, spec) -> None:
-        """Returns when `spec` compiles; InvalidRequestError when it does not; OverloadedError
-        when MAX_COMPILING other specs are compiling."""
+    async def check(self, spec, params=None) -> None:
+        """Returns when `spec` compiles and leaves the request (`params`) a first token; InvalidRequestError
+        when it does not; OverloadedError when MAX_COMPILING other specs are compiling."""
+        if params is not None and (params.allowed_token_ids is not None or params.bad_words_token_ids):
+            await self.check(spec)  # compiled (or refused) first, then its first tokens, on the pool
+            await asyncio.get_running_loop().run_in_executor(self._pool, self._grammars.check_first_token, params)
+            return
         if self._grammars is not None and self._grammars.cached(spec) is not None:
             return
         fut = self._compiling.get(spec)

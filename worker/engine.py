@@ -102,6 +102,7 @@ class LLMEngine(RequestQueries, Postprocess):
         check_vocab(params, self.vocab_size)
         if params.guided is not None:
             self.guided_grammars().check(params.guided)  # a schema it cannot compile: refused here
+            self.guided_grammars().check_first_token(params)
         text, token_ids = self._tokenize(prompt)
         n_prompt = len(token_ids)
         if n_prompt >= self.max_model_len:

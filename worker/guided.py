@@ -192,6 +192,22 @@ class Grammars:
         if spec is not None:
             self.compiled(spec)
 
+    def check_first_token(self, params) -> None:
+        """A request whose allowed_token_ids and single-token bad words take every first token its
+        grammar allows is refused before it runs (it failed in its first step: after a stream's 200)."""
+        spec = params.guided
+        banned = {w[0] for w in params.bad_words_token_ids if len(w) == 1}
+        if spec is None or (params.allowed_token_ids is None and not banned):
+            return
+        bm = self._xgr.allocate_token_bitmask(1, self.vocab_size)
+        self._xgr.GrammarMatcher(self.compiled(spec)).fill_next_token_bitmask(bm, 0)
+        ids = torch.arange(self.vocab_size) if params.allowed_token_ids is None else torch.tensor(
+            sorted({t for t in params.allowed_token_ids if 0 <= t < self.vocab_size}), dtype=torch.long)
+        bits = (bm[0].long()[ids // 32] >> (ids % 32)) & 1  # (int32 words: bit 31 sign-extends, still read right)
+        if not any(bool(b) and t not in banned for t, b in zip(ids.tolist(), bits.tolist())):
+            raise InvalidRequestError(f"the {spec.kind.replace('_', ' ')} allows no first token that "
+                                      "allowed_token_ids and bad_words leave: no token to draw", param=spec.param)
+
     def matcher(self, seq):
         """The sequence's matcher, made on first use with its output tokens so far replayed."""
         m = seq.grammar

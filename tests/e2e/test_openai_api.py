@@ -502,12 +502,22 @@ def test_an_eos_in_stop_token_ids_is_no_stop_reason(folio_server, tokenizer):
         assert [(c["finish_reason"], c["stop_reason"]) for c in ends] == [("stop", None)], ends
 
 
-@pytest.mark.parametrize("field, value", [("structured_outputs", {"choice": ["yes"]}), ("guided_choice", ["yes"]),
-                                          ("response_format", {"type": "json_object"})])
-def test_a_grammar_emptied_in_the_step_names_the_field_it_came_in(folio_server, field, value):
-    """The worker's refusal of a grammar its other masks empty named response_format, whatever the field."""
-    err = refused(folio_server, "/v1/completions", {**COMPLETION_BASE, field: value, "allowed_token_ids": [5]}, field)
-    assert "no token" in err["message"], err
+@pytest.mark.parametrize("field, value, first", [("structured_outputs", {"choice": ["yes"]}, "y"),
+                                                 ("guided_choice", ["yes"], "y"),
+                                                 ("response_format", {"type": "json_object"}, "{")])
+def test_a_grammar_emptied_in_the_step_names_the_field_it_came_in(folio_server, tokenizer, field, value, first):
+    """The worker's refusal of a grammar its other masks empty named response_format, whatever the field.
+    An allow list without a first token the grammar allows is refused before the request runs (in the
+    step before: after a stream's 200); one that allows only a first character, in the step, by the worker."""
+    body = {**COMPLETION_BASE, field: value, "allowed_token_ids": [5]}
+    err = refused(folio_server, "/v1/completions", body, field, fragment="allows no first token")
+    ids = tokenizer.encode(first, add_special_tokens=False)
+    assert len(ids) == 1
+    for stream in (False, True):
+        status, out = post(folio_server, "/v1/completions", {**body, "allowed_token_ids": ids, "stream": stream})
+        err = sse_events(out)[-1]["error"] if stream else out["error"]
+        assert status == (200 if stream else 400) and err["param"] == field, (status, out)
+        assert "leave no token to draw after 1 output tokens" in err["message"], err
 
 
 def test_completions_top_logprobs_hold_the_token_itself(folio_server):

@@ -117,6 +117,43 @@ def test_min_tokens_yields_where_the_grammar_or_allow_list_leaves_only_the_end(l
     llm.engine.check_invariants()
 
 
+WORDS = ["yes", "no", "maybe", "never", "okay"]
+
+
+@pytest.fixture(scope="module")
+def first_tokens(llm):
+    """Each token whose text is a non-empty prefix of one of WORDS, by word: what a choice of them
+    allows first (the oracle, read from the vocabulary, not from xgrammar)."""
+    tok = llm.tokenizer
+    texts = {t: tok.decode([t]) for t in range(llm.engine.vocab_size)}
+    return {w: {t for t, x in texts.items() if x and w.startswith(x)} for w in WORDS}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(words=st.lists(st.sampled_from(WORDS), min_size=1, max_size=3, unique=True), data=st.data())
+def test_an_allow_list_or_bad_words_that_take_a_grammars_first_tokens_are_refused_before_it_runs(
+        llm, first_tokens, words, data):
+    """A choice whose every first token allowed_token_ids leave out (or single-token bad words ban) failed
+    in its first step (after a stream's 200); now it is refused when added, naming the grammar's field. What
+    is added has a first token: it answers a choice, or fails later in the step (its masks empty a row)."""
+    pool = sorted(set().union(*first_tokens.values()) | {100, 101, 102, 103})
+    allowed = data.draw(st.lists(st.sampled_from(pool), min_size=1, max_size=5, unique=True))
+    banned = data.draw(st.lists(st.sampled_from(pool), max_size=3, unique=True))
+    p = SamplingParams(max_tokens=8, temperature=0.0, guided=GuidedSpec.choice(words), allowed_token_ids=allowed,
+                       bad_words_token_ids=[[t] for t in banned])
+    firsts = set().union(*(first_tokens[w] for w in words))
+    if not (set(allowed) - set(banned)) & firsts:
+        with pytest.raises(InvalidRequestError) as e:
+            llm.generate([PROMPTS[0]], [p])
+        assert e.value.param == ("bad_words" if set(allowed) <= set(banned) else "guided_choice"), e.value
+        assert "no token to draw" in str(e.value)
+    else:
+        o = llm.generate([PROMPTS[0]], [p])[0]
+        assert (o.error is None and o.text in words) or (
+            "no token to draw" in o.error and "after 0 output tokens" not in o.error), o
+    assert not llm.engine.has_unfinished_requests()
+
+
 def compact(text: str) -> bool:
     """JSON text with no free whitespace: outside strings, a space only right after "," or ":"."""
     in_string = escaped = False
