@@ -201,10 +201,15 @@ class Grammars:
             return
         bm = self._xgr.allocate_token_bitmask(1, self.vocab_size)
         self._xgr.GrammarMatcher(self.compiled(spec)).fill_next_token_bitmask(bm, 0)
-        ids = torch.arange(self.vocab_size) if params.allowed_token_ids is None else torch.tensor(
-            sorted({t for t in params.allowed_token_ids if 0 <= t < self.vocab_size}), dtype=torch.long)
-        bits = (bm[0].long()[ids // 32] >> (ids % 32)) & 1  # (int32 words: bit 31 sign-extends, still read right)
-        if not any(bool(b) and t not in banned for t, b in zip(ids.tolist(), bits.tolist())):
+        if params.allowed_token_ids is None:
+            keep = torch.ones(self.vocab_size, dtype=torch.bool)
+            keep[sorted(t for t in banned if 0 <= t < self.vocab_size)] = False
+            ids = keep.nonzero().flatten()
+        else:
+            ids = torch.tensor(sorted({t for t in params.allowed_token_ids if 0 <= t < self.vocab_size} - banned),
+                               dtype=torch.long)
+        # (int32 words: bit 31 sign-extends in int64, still read right)
+        if not bool(((bm[0].long()[ids // 32] >> (ids % 32)) & 1).any()):
             raise InvalidRequestError(f"the {spec.kind.replace('_', ' ')} allows no first token that "
                                       "allowed_token_ids and bad_words leave: no token to draw", param=spec.param)
 
