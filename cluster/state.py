@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import time
 
 import redis
 import redis.asyncio
@@ -90,6 +91,7 @@ class Keys:
     def __init__(self, namespace: str = "folio") -> None:
         self.ns = namespace
         self.workers = f"{namespace}:workers"
+        self.registry = f"{namespace}:registry"  # set by every heartbeat: gone only with Redis's data
 
     def worker(self, wid: str) -> str:
         return f"{self.ns}:worker:{wid}"
@@ -142,6 +144,7 @@ class WorkerPublisher:
             p.exists(k.prefix_epoch(wid))
             p.set(k.worker(wid), load_to_json(load), px=self.ttl_ms)
             p.sadd(k.workers, wid)
+            p.set(k.registry, 1)
             if whole:
                 p.delete(k.prefix(wid))
                 hashes = list(cached_block_hashes)
@@ -189,14 +192,28 @@ class ClusterState:
         self._walk_prefix = self.r.register_script(_WALK_PREFIX)
         self._aloop = self._ar = self._awalk = None
         self._walk_keys: tuple[tuple[str, ...], list[bytes]] = ((), [])
+        self._seen: dict[str, WorkerLoad] = {}  # the last registry that listed a worker
+
+    def _kept(self, loads: dict[str, WorkerLoad], registry_lost) -> dict[str, WorkerLoad]:
+        """`loads`; but with no worker listed and the registry key gone too (a Redis restarted empty),
+        the last loads within their TTL: those workers list themselves again with their next beat
+        (0.12-0.24 s), and meanwhile every request was refused, "no worker is alive" (an attack,
+        2026-12-07). Workers that left or lapsed leave the key. `registry_lost`: () -> key gone?"""
+        if loads:
+            self._seen = loads
+            return loads
+        if not self._seen or not registry_lost():
+            self._seen = {}
+            return {}
+        now = time.time()
+        return {w: l for w, l in self._seen.items() if now - l.timestamp < DEFAULT_TTL_S}
 
     def live_loads(self) -> dict[str, WorkerLoad]:
         """Every worker whose heartbeat key is alive, with its last load."""
         ids = sorted(w.decode() for w in self.r.smembers(self.keys.workers))
-        if not ids:
-            return {}
-        raws = self.r.mget([self.keys.worker(w) for w in ids])
-        return {w: load_from_json(raw) for w, raw in zip(ids, raws) if raw is not None}
+        raws = self.r.mget([self.keys.worker(w) for w in ids]) if ids else []
+        loads = {w: load_from_json(raw) for w, raw in zip(ids, raws) if raw is not None}
+        return self._kept(loads, lambda: not self.r.exists(self.keys.registry))
 
     def prefix_matches(self, worker_ids: list[str], block_hashes: list[bytes]) -> dict[str, int]:
         """How many leading blocks of a prompt's hash chain each worker has cached: one
@@ -238,10 +255,10 @@ class ClusterState:
     async def alive_loads(self) -> dict[str, WorkerLoad]:
         r = self._async()
         ids = sorted(w.decode() for w in await r.smembers(self.keys.workers))
-        if not ids:
-            return {}
-        raws = await r.mget([self.keys.worker(w) for w in ids])
-        return {w: load_from_json(raw) for w, raw in zip(ids, raws) if raw is not None}
+        raws = await r.mget([self.keys.worker(w) for w in ids]) if ids else []
+        loads = {w: load_from_json(raw) for w, raw in zip(ids, raws) if raw is not None}
+        lost = not loads and self._seen and not await r.exists(self.keys.registry)
+        return self._kept(loads, lambda: lost)
 
     async def aprefix_matches(self, worker_ids: list[str], block_hashes: list[bytes]) -> dict[str, int]:
         if not block_hashes or not worker_ids:

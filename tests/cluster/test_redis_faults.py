@@ -141,6 +141,32 @@ def test_the_router_degrades_to_least_loaded_while_redis_is_away():
         server.stop()
 
 
+def test_a_redis_back_empty_keeps_the_workers_it_listed_until_they_beat_again():
+    """A Redis restarted empty lists no worker until each beats again (0.12-0.24 s): every request
+    in between was refused, "no worker is alive" (an attack: 6-9 503s a restart). The workers last
+    seen within the heartbeat's TTL stay routable; past it, with no beat, they are gone."""
+    with EmbeddedRedis() as server:
+        pub = WorkerPublisher(server.url, "empty")
+        pub.publish(load("a", free=5), set())
+        pub.publish(load("b", free=10), set())
+        state = ClusterState(server.url, "empty")
+        router = Router(state, _NoWorkers(), "least-loaded")
+        router.refresh_s = 0.0
+        assert _pick(router, list(range(16))) == "b"
+        server.restart()
+        assert not redis.Redis.from_url(server.url).smembers("empty:workers")  # empty indeed
+        assert sorted(asyncio.run(router.live_loads(refresh=True))) == ["a", "b"]  # (a read of Redis now)
+        for _ in range(5):
+            assert _pick(router, list(range(16))) in ("a", "b")
+        assert sorted(state.live_loads()) == ["a", "b"]
+        pub.publish(load("a", free=20), set())  # a beats again; b's last beat ages
+        assert _pick(router, list(range(16))) == "a" and sorted(state.live_loads()) == ["a"]
+        time.sleep(1.6)  # past the TTL of every beat: nothing is kept
+        assert asyncio.run(router.live_loads(refresh=True)) == {} and state.live_loads() == {}
+        with pytest.raises(UnavailableError):
+            _pick(router, list(range(16)))
+
+
 @pytest.mark.parametrize("policy", ["prefix-aware", "least-loaded"])
 def test_a_burst_of_concurrent_picks_spreads(policy):
     """Picks that interleave (each awaits Redis) still see each other's sends: a burst of
