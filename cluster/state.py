@@ -193,20 +193,19 @@ class ClusterState:
         self._aloop = self._ar = self._awalk = None
         self._walk_keys: tuple[tuple[str, ...], list[bytes]] = ((), [])
         self._seen: dict[str, WorkerLoad] = {}  # the last registry that listed a worker
+        self._lost_at: float | None = None  # when the registry was first seen lost (monotonic)
 
     def _kept(self, loads: dict[str, WorkerLoad], registry_lost) -> dict[str, WorkerLoad]:
-        """`loads`; but with no worker listed and the registry key gone too (a Redis restarted empty),
-        the last loads within their TTL: those workers list themselves again with their next beat
-        (0.12-0.24 s), and meanwhile every request was refused, "no worker is alive" (an attack,
-        2026-12-07). Workers that left or lapsed leave the key. `registry_lost`: () -> key gone?"""
-        if loads:
-            self._seen = loads
+        """`loads`; with none listed and the registry key (`registry_lost()`) gone too (a Redis restarted
+        empty), the last listed for one TTL: they beat again in 0.12-0.24 s (refused meanwhile: attacks,
+        2026-12-07; their beats may be old, Redis away long). Workers that left or lapsed leave the key."""
+        if loads or not self._seen or not registry_lost():
+            self._seen, self._lost_at = loads, None
             return loads
-        if not self._seen or not registry_lost():
+        self._lost_at = self._lost_at or time.monotonic()
+        if time.monotonic() - self._lost_at >= DEFAULT_TTL_S:
             self._seen = {}
-            return {}
-        now = time.time()
-        return {w: l for w, l in self._seen.items() if now - l.timestamp < DEFAULT_TTL_S}
+        return dict(self._seen)
 
     def live_loads(self) -> dict[str, WorkerLoad]:
         """Every worker whose heartbeat key is alive, with its last load."""
