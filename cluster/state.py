@@ -195,11 +195,11 @@ class ClusterState:
         self._seen: dict[str, WorkerLoad] = {}  # the last registry that listed a worker
         self._lost_at: float | None = None  # when the registry was first seen lost (monotonic)
 
-    def _kept(self, loads: dict[str, WorkerLoad], registry_lost) -> dict[str, WorkerLoad]:
-        """`loads`; with none listed and the registry key (`registry_lost()`) gone too (a Redis restarted
+    def _kept(self, loads: dict[str, WorkerLoad], registry: bool) -> dict[str, WorkerLoad]:
+        """`loads`; with none listed and the registry key gone too (read with the list: a Redis restarted
         empty), the last listed for one TTL: they beat again in 0.12-0.24 s (refused meanwhile: attacks,
         2026-12-07; their beats may be old, Redis away long). Workers that left or lapsed leave the key."""
-        if loads or not self._seen or not registry_lost():
+        if loads or not self._seen or registry:
             self._seen, self._lost_at = loads, None
             return loads
         self._lost_at = self._lost_at or time.monotonic()
@@ -209,10 +209,10 @@ class ClusterState:
 
     def live_loads(self) -> dict[str, WorkerLoad]:
         """Every worker whose heartbeat key is alive, with its last load."""
-        ids = sorted(w.decode() for w in self.r.smembers(self.keys.workers))
-        raws = self.r.mget([self.keys.worker(w) for w in ids]) if ids else []
-        loads = {w: load_from_json(raw) for w, raw in zip(ids, raws) if raw is not None}
-        return self._kept(loads, lambda: not self.r.exists(self.keys.registry))
+        members, registry = self.r.pipeline().smembers(self.keys.workers).exists(self.keys.registry).execute()
+        ids = sorted(w.decode() for w in members)  # (and the key at the same instant: a beat between two
+        raws = self.r.mget([self.keys.worker(w) for w in ids]) if ids else []  # reads made it look left)
+        return self._kept({w: load_from_json(raw) for w, raw in zip(ids, raws) if raw is not None}, registry)
 
     def prefix_matches(self, worker_ids: list[str], block_hashes: list[bytes]) -> dict[str, int]:
         """How many leading blocks of a prompt's hash chain each worker has cached: one
@@ -253,11 +253,10 @@ class ClusterState:
 
     async def alive_loads(self) -> dict[str, WorkerLoad]:
         r = self._async()
-        ids = sorted(w.decode() for w in await r.smembers(self.keys.workers))
+        members, registry = await r.pipeline().smembers(self.keys.workers).exists(self.keys.registry).execute()
+        ids = sorted(w.decode() for w in members)
         raws = await r.mget([self.keys.worker(w) for w in ids]) if ids else []
-        loads = {w: load_from_json(raw) for w, raw in zip(ids, raws) if raw is not None}
-        lost = not loads and self._seen and not await r.exists(self.keys.registry)
-        return self._kept(loads, lambda: lost)
+        return self._kept({w: load_from_json(raw) for w, raw in zip(ids, raws) if raw is not None}, registry)
 
     async def aprefix_matches(self, worker_ids: list[str], block_hashes: list[bytes]) -> dict[str, int]:
         if not block_hashes or not worker_ids:
