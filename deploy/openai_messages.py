@@ -88,6 +88,24 @@ def _arguments(text: str, i: int, k: int):
                                   param="messages") from None
 
 
+# vLLM 0.32's values of chat completions' reasoning_effort (OpenAI's, and "max")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def check_prediction(prediction: dict | None) -> None:
+    """OpenAI's `prediction`: {"type": "content", "content": text or text parts}. It only speeds up
+    a response that repeats it, so it is honoured by not being used; its shape is still checked."""
+    if prediction is None:
+        return
+    content = prediction.get("content")
+    parts_ok = isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content)
+    if set(prediction) - {"type", "content"} or prediction.get("type") != "content" or not (
+            isinstance(content, str) or parts_ok):
+        raise InvalidRequestError('prediction must be {"type": "content", "content": a string or text parts}',
+                                  param="prediction")
+
+
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",

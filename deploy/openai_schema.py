@@ -18,11 +18,11 @@ newer API versions keep working.
 from __future__ import annotations
 
 import logging
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar, Literal, Union
 
 from pydantic import Field, PrivateAttr, ValidationError
 
-from folio.deploy.openai_messages import RESERVED_TEMPLATE_KWARGS, ChatMessage
+from folio.deploy.openai_messages import REASONING_EFFORTS, RESERVED_TEMPLATE_KWARGS, ChatMessage, check_prediction
 from folio.deploy.openai_sampling import SamplingRequest
 from folio.deploy.openai_unsupported import (UNSUPPORTED, UNSUPPORTED_CHAT, UNSUPPORTED_COMPLETIONS, RefusingModel,
                                              StrictModel)
@@ -72,6 +72,9 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None  # passed to the template (vLLM)
     parallel_tool_calls: bool | None = None  # no effect (no tools)
     include_reasoning: bool | None = None  # no effect (no reasoning parser)
+    # handed to the chat template with enable_thinking (unless chat_template_kwargs sets it), as vLLM does
+    reasoning_effort: Literal[REASONING_EFFORTS] | None = None
+    prediction: dict | None = None  # OpenAI's predicted output: a hint for speed only (checked, then unused)
 
     UNSUPPORTED_FIELDS: ClassVar[dict[str, tuple]] = {**UNSUPPORTED, **UNSUPPORTED_CHAT}
 
@@ -94,6 +97,7 @@ class ChatCompletionRequest(SamplingRequest):
         bad = RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or ())
         if bad:
             raise InvalidRequestError(f"chat_template_kwargs cannot set {sorted(bad)}", param="chat_template_kwargs")
+        check_prediction(self.prediction)
         self.generation_prompt()
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
@@ -134,6 +138,9 @@ class ChatCompletionRequest(SamplingRequest):
 
     def template_kwargs(self) -> dict:
         kw = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:  # vLLM's: the field over chat_template_kwargs, enable_thinking under
+            kw["reasoning_effort"] = self.reasoning_effort
+            kw.setdefault("enable_thinking", self.reasoning_effort != "none")
         if self.tool_plan().renders:
             kw["tools"] = self.tool_plan().tools
         return kw

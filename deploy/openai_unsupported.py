@@ -7,7 +7,10 @@ each is accepted only at its no-op value (its default: `tool_choice` "none", `pr
 `structural_tag` null, ...) and anything else is a 400 whose `param` names it. Accepted because they
 change nothing Folio does (`NO_OPS`, plain fields of the request models): `user` (an end-user id for
 abuse monitoring), `metadata` (tags of stored completions; Folio stores none), `parallel_tool_calls`
-(no tools), `include_reasoning` (no reasoning parser), `service_tier` "auto" / "default" (one tier).
+(no tools), `include_reasoning` (no reasoning parser), `service_tier` "auto" / "default" (one tier),
+`prediction` (OpenAI's predicted output: a hint for speed, never a change to the output, so honoured by
+ignoring its content; its shape is checked). `reasoning_effort` is handed to the chat template, as vLLM
+does (openai_schema.py).
 
     StrictModel      strict JSON types (no "1" for 1, no 1.5 for an int, no 0 for false); unknown
                      fields dropped (openai_schema.parse logs them)
@@ -82,9 +85,7 @@ UNSUPPORTED_CHAT: dict[str, tuple] = {
                                   "adds the model's special tokens)"),
     "audio": (lambda v: v is None, "audio output is not supported"),
     "modalities": (lambda v: v is None or v == ["text"], 'modalities is not supported (other than ["text"])'),
-    "prediction": (lambda v: v is None, "prediction is not supported"),
     "web_search_options": (lambda v: v is None, "web_search_options is not supported"),
-    "reasoning_effort": (lambda v: v is None, "reasoning_effort is not supported"),
     "store": (falsy, "store is not supported: Folio stores no completions"),
     "media_io_kwargs": (is_empty, "media_io_kwargs is not supported (text-only models)"),
     "return_prompt_text": (falsy, "return_prompt_text is not supported"),

@@ -115,7 +115,8 @@ class Prompts:
               continue_final: bool = False) -> list[int]:
         tok = self.tokenizer
         if not getattr(tok, "chat_template", None):
-            if any(m.get("tool_calls") for m in messages) or kwargs:
+            # (reasoning_effort's switches are dropped, as a template that does not read them drops them)
+            if any(m.get("tool_calls") for m in messages) or set(kwargs) - {"reasoning_effort", "enable_thinking"}:
                 raise InvalidRequestError("this model has no chat template: tool_calls and chat_template_kwargs "
                                           "cannot be rendered", param="messages")
             return self.encode(plain_chat_prompt(messages, add_generation_prompt, continue_final), True, True,

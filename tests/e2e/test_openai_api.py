@@ -372,6 +372,12 @@ def test_no_op_and_unknown_fields_are_served(folio_server):
         **CHAT_BASE, "user": "u1", "metadata": {"k": "v"}, "parallel_tool_calls": True, "service_tier": "auto",
         "include_reasoning": True, "some_future_field": {"x": 1}})
     assert status == 200, out
+    # what the openai clients send (both were 400s): a template that reads neither answers as without them
+    hinted = post(folio_server, "/v1/chat/completions", {**CHAT_BASE, "reasoning_effort": "low",
+                                                         "prediction": {"type": "content", "content": "Hello"}})
+    assert hinted[0] == 200 and hinted[1]["choices"][0]["message"] == out["choices"][0]["message"], hinted
+    refused(folio_server, "/v1/chat/completions", {**CHAT_BASE, "reasoning_effort": "extreme"}, "reasoning_effort")
+    refused(folio_server, "/v1/chat/completions", {**CHAT_BASE, "prediction": {"type": "x"}}, "prediction")
 
 
 def test_honoured_vllm_fields(folio_server, tokenizer):

@@ -13,6 +13,8 @@ import asyncio
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from folio.deploy.openai_messages import REASONING_EFFORTS
+from folio.deploy.openai_schema import ChatCompletionRequest, parse
 from folio.deploy.prompts import Prompts
 from folio.worker.errors import InvalidRequestError
 
@@ -104,3 +106,50 @@ def test_a_template_error_is_a_400_without_the_rendering(model_dirs):
     with pytest.raises(InvalidRequestError) as e:
         asyncio.run(p2.chat_ids([{"role": "assistant", "content": long}], False, None, True))
     assert e.value.param == "messages" and len(str(e.value)) < 1000
+
+
+@pytest.mark.parametrize("effort", [None, *REASONING_EFFORTS])
+def test_reasoning_effort_reaches_the_template_as_vllm_hands_it(model_dirs, effort):
+    """Chat completions' reasoning_effort (the `openai` clients send it; it was a 400) is the template's
+    `reasoning_effort`, with `enable_thinking` = effort != "none" unless chat_template_kwargs sets it;
+    a model without a chat template drops both (a template that does not read them drops them too)."""
+    p = Prompts(model_dirs["llama"], 4096)
+    p.tokenizer.chat_template = (ROLES + "{{ m['content'] }}" + END + "[{{ reasoning_effort | default('-') }}"
+                                 "/{{ enable_thinking | default('-') }}]")
+    msgs = [{"role": "user", "content": "hi"}]
+    for kwargs, thinking in (({}, "-" if effort is None else effort != "none"), ({"enable_thinking": 0}, 0)):
+        req = parse(ChatCompletionRequest, {"messages": msgs, "reasoning_effort": effort,
+                                            "chat_template_kwargs": kwargs})
+        req.refuse_unsupported()
+        text = p.tokenizer.decode(asyncio.run(p.chat_ids(msgs, True, req.template_kwargs())))
+        assert text.endswith(f"[{effort or '-'}/{thinking}]"), text
+    p.tokenizer.chat_template = None
+    plain = asyncio.run(p.chat_ids(msgs, True, None))
+    assert asyncio.run(p.chat_ids(msgs, True, req.template_kwargs())) == plain
+    with pytest.raises(InvalidRequestError):  # other kwargs still have no template to go to
+        asyncio.run(p.chat_ids(msgs, True, {"foo": 1}))
+
+
+@pytest.mark.parametrize("value", ["low ", "LOW", 1, True, ["low"], {"x": 1}])
+def test_a_reasoning_effort_outside_vllms_values_is_a_400(value):
+    with pytest.raises(InvalidRequestError) as e:
+        parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": value})
+    assert e.value.param == "reasoning_effort"
+
+
+@pytest.mark.parametrize("value, ok", [
+    ({"type": "content", "content": "Hello"}, True), ({"type": "content", "content": ""}, True),
+    ({"type": "content", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}, True),
+    ({"type": "content"}, False), ({"type": "text", "content": "a"}, False), ("Hello", False),
+    ({"type": "content", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, False),
+    ({"type": "content", "content": "a", "extra": 1}, False), ({"type": "content", "content": 3}, False)])
+def test_prediction_is_checked_and_served(value, ok):
+    """OpenAI's predicted output only speeds up a response that repeats it: a well-formed one is
+    served (it changes no output, so nothing uses it), any other shape is a 400 naming it."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "prediction": value}
+    if ok:
+        parse(ChatCompletionRequest, body).refuse_unsupported()
+        return
+    with pytest.raises(InvalidRequestError) as e:
+        parse(ChatCompletionRequest, body).refuse_unsupported()
+    assert e.value.param == "prediction"
