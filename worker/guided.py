@@ -15,7 +15,7 @@ torch for the whole batch at once (xgrammar's own CPU apply took 25 ms at batch 
 Why xgrammar: it compiles a schema in ~10 ms and fills a 49,152-token mask in microseconds
 per row (benchmarks/logits_processing.py records the cost per step at batch 64); it is what
 vLLM uses by default, and has CPU wheels. JSON is compact (no free whitespace), so a model
-cannot run on emitting spaces.
+cannot run on emitting spaces. A schema xgrammar would not enforce whole goes to llguidance (guided_llg.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from folio.worker.errors import InvalidRequestError
-from folio.worker.schema_support import json_schema_ebnf
+from folio.worker.guided_llg import Llguidance, new_matcher
+from folio.worker.schema_support import Unenforced, json_schema_ebnf
 from folio.worker.utf8_mask import Utf8Mask
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -116,6 +117,8 @@ class Grammars:
                                                        stop_token_ids=stop_token_ids or None)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self.utf8 = Utf8Mask(self.info.decoded_vocab, vocab_size)
+        # what xgrammar would not enforce whole goes to llguidance (guided_llg.py), ending on the same tokens
+        self.llg = Llguidance(tokenizer, vocab_size, list(stop_token_ids or [tokenizer.eos_token_id]))
         self._cache: OrderedDict[GuidedSpec, Any] = OrderedDict()  # oldest use first
         self._cached_bytes = 0
         self._lock = threading.Lock()
@@ -162,7 +165,10 @@ class Grammars:
         c = self.compiler
         try:
             if spec.kind == "json_schema":
-                return c.compile_grammar(json_schema_ebnf(spec.value))
+                try:
+                    return c.compile_grammar(json_schema_ebnf(spec.value))
+                except Unenforced as e:
+                    return self.llg.compile_json_schema(spec.value, e)
             if spec.kind == "json_object":  # any object, compact as a schema's: xgrammar's builtin
                 return c.compile_grammar(json_schema_ebnf(_ANY_OBJECT))  # JSON let a model write spaces forever
             if spec.kind == "regex":
@@ -183,7 +189,7 @@ class Grammars:
         """A grammar that allows no token at all (`root ::= root`) is refused here, by name: its
         request's first draw was from an empty mask ("token 0 does not match the grammar")."""
         bm = self._xgr.allocate_token_bitmask(1, self.vocab_size)
-        self._xgr.GrammarMatcher(g).fill_next_token_bitmask(bm, 0)
+        new_matcher(self._xgr, g).fill_next_token_bitmask(bm, 0)
         if not bm.any():
             raise InvalidRequestError(f"the {spec.kind.replace('_', ' ')} matches no text: it allows no first token",
                                       param=spec.param)
@@ -200,7 +206,7 @@ class Grammars:
         if spec is None or (params.allowed_token_ids is None and not banned):
             return
         bm = self._xgr.allocate_token_bitmask(1, self.vocab_size)
-        self._xgr.GrammarMatcher(self.compiled(spec)).fill_next_token_bitmask(bm, 0)
+        new_matcher(self._xgr, self.compiled(spec)).fill_next_token_bitmask(bm, 0)
         if params.allowed_token_ids is None:
             keep = torch.ones(self.vocab_size, dtype=torch.bool)
             keep[sorted(t for t in banned if 0 <= t < self.vocab_size)] = False
@@ -217,7 +223,7 @@ class Grammars:
         """The sequence's matcher, made on first use with its output tokens so far replayed."""
         m = seq.grammar
         if m is None:
-            m = self._xgr.GrammarMatcher(self.compiled(seq.params.guided))
+            m = new_matcher(self._xgr, self.compiled(seq.params.guided))
             for t in seq.output_token_ids:
                 if not m.accept_token(t):
                     raise InvalidRequestError(f"output token {t} does not match the request's grammar")
@@ -235,6 +241,9 @@ class Grammars:
             if seq.grammar is None:
                 self.matcher(seq)  # replays every output token, this one included
             elif not seq.grammar.accept_token(token):  # drawn from a row its other masks emptied
+                if getattr(seq.grammar, "error", None):  # (llguidance past one of its limits)
+                    raise InvalidRequestError(f"the grammar engine stopped: {seq.grammar.error}",
+                                              param=seq.params.guided.param)
                 # (the token drawn from a row with nothing left is no information: it was not named)
                 raise InvalidRequestError("the request's grammar and its other constraints (allowed_token_ids, "
                                           "bad_words, logit_bias) leave no token to draw after "

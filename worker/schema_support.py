@@ -5,9 +5,10 @@ xgrammar turns a JSON schema into a grammar and leaves out what the grammar cann
 it without a word (a few with a warning on the worker's stderr). A request then got text that
 breaks its own schema with finish_reason "stop": a fuzz of the served SmolLM2 (2026-12-07) got
 `[-4, 0, 0]` for `uniqueItems` and `[10.9034295519625]` for `multipleOf: 0.5`. vLLM's xgrammar
-backend refuses such schemas (`has_xgrammar_unsupported_json_features`); so does Folio, naming
-the keyword and where it is. What is left is what xgrammar enforces (tests/engine/
-test_structured_output.py samples each kind of constraint and validates the outputs).
+backend refuses such schemas (`has_xgrammar_unsupported_json_features`) and vLLM's "auto" hands
+them to llguidance; so does Folio (`Unenforced`, caught in guided.py: guided_llg.py), and what
+llguidance cannot enforce either is a 400 naming the keyword and where it is
+(tests/engine/test_structured_output.py samples each kind of constraint and validates the outputs).
 
 `format` is an annotation in JSON Schema (validators do not assert it unless asked): xgrammar
 enforces the formats it knows (email, date, uuid, ...) and passes others as any string, which
@@ -24,6 +25,10 @@ from __future__ import annotations
 import json
 
 from folio.worker.errors import InvalidRequestError
+
+
+class Unenforced(InvalidRequestError):
+    """A schema xgrammar would compile without some of its keywords (guided.py then asks llguidance)."""
 
 # ignored wherever they are (the pinned xgrammar: no grammar for them)
 UNENFORCED = ("contains", "minContains", "maxContains", "uniqueItems", "patternProperties", "propertyNames",
@@ -118,5 +123,5 @@ def json_schema_ebnf(schema: str) -> str:
                                   f"{MAX_SCHEMA_DEPTH} are compiled", param="response_format")
     why = unenforced(doc)
     if why is not None:  # compiled, it would be dropped from the grammar: output breaking the schema
-        raise InvalidRequestError(f"the json schema cannot be enforced: {why}", param="response_format")
+        raise Unenforced(f"the json schema cannot be enforced: {why}", param="response_format")
     return str(xgr.Grammar.from_json_schema(schema, any_whitespace=False)).replace(_BOUNDED_CHAR, _JSON_CHAR)

@@ -257,7 +257,7 @@ def schema_noop(path, name, value) -> bool:
     ("/v1/completions", {"guided_regex": "(unclosed"}, "guided_regex"),
     ("/v1/completions", {"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json"),
     ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "type": "object", "properties": {"a": {"type": "number", "multipleOf": 0.5}}}}}}, "response_format"),
+        "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}}, "response_format"),
     ("/v1/chat/completions", {"tool_choice": "required", "tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "properties": {"a": {"not": {}}}}}}]}, "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 400}]}, "messages"),
@@ -674,6 +674,37 @@ def test_chat_streams_start_with_a_role_chunk_and_a_user_final_message_is_answer
         if opts:
             assert all(e["usage"]["completion_tokens"] == 0 and e["usage"]["prompt_tokens"] > 0 for e in heads)
         assert not any("role" in c["delta"] for e in events[n:] for c in e["choices"])
+
+
+# as the clients write them (the real-client attack, 2026-12-08): zod 4's z.string().email().max(100) (format,
+# pattern and maxLength), .regex(/^[A-Z]+$/).length(3), pydantic's Field(gt=0, multiple_of=0.01); each was a 400
+CLIENT_SCHEMAS = [
+    {"type": "object", "properties": {"e": {"type": "string", "maxLength": 100, "format": "email", "pattern":
+     r"^(?:[A-Za-z0-9_'+\-]+\.)*[A-Za-z0-9_'+\-]*[A-Za-z0-9_+-]@(?:[A-Za-z0-9][A-Za-z0-9\-]*\.)+[A-Za-z]{2,}$"}},
+     "required": ["e"], "additionalProperties": False},
+    {"type": "object", "properties": {"c": {"type": "string", "minLength": 3, "maxLength": 3, "pattern": "^[A-Z]+$"}},
+     "required": ["c"], "additionalProperties": False},
+    {"type": "object", "properties": {"price": {"type": "number", "exclusiveMinimum": 0, "multipleOf": 0.01,
+                                                "maximum": 1000}}, "required": ["price"], "additionalProperties": False},
+]
+
+
+@pytest.mark.parametrize("schema", CLIENT_SCHEMAS, ids=["email-max", "regex-length", "multiple-of-0.01"])
+def test_the_schemas_client_libraries_write_are_enforced(folio_server, client, schema):
+    """Through the `openai` client, response_format json_schema strict, as .parse() sends it: served
+    (llguidance where xgrammar would drop a keyword), and every finished answer validates."""
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": schema}}
+    done = 0
+    for seed in range(4):
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Give one."}],
+                                           max_tokens=80, temperature=1.0, seed=seed, response_format=fmt)
+        c = r.choices[0]
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.message.content), schema, format_checker=jsonschema.FormatChecker())
+            done += 1
+    assert done >= 2
 
 
 @pytest.mark.parametrize("so, check", [

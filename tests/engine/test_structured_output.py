@@ -456,13 +456,31 @@ def test_what_is_not_refused_is_enforced(llm, schema):
         assert shape is None or re.fullmatch(shape, json.loads(o.text)), o.text
 
 
-# keywords xgrammar drops (worker/schema_support.py): each, anywhere a schema can be, is a 400 naming it
+# keywords neither engine enforces (worker/schema_support.py names xgrammar's gap, guided_llg.py llguidance's):
+# each, anywhere a schema can be, is a 400 naming it
 DROPPED = [({"uniqueItems": True}, "uniqueItems"), ({"contains": {"type": "integer"}}, "contains"),
            ({"not": {"type": "null"}}, "'not'"), ({"if": {"type": "integer"}, "then": {"minimum": 2}}, "'if'"),
-           ({"type": "number", "multipleOf": 0.5}, "multipleOf"), ({"patternProperties": {"^a": {}}}, "pattern"),
-           ({"propertyNames": {"maxLength": 2}}, "propertyNames"), ({"pattern": "^a+$", "maxLength": 3}, "maxLength"),
-           ({"format": "date", "minLength": 12}, "minLength"), ({"allOf": [{"minimum": 1}, {"maximum": 3}]}, "allOf"),
+           ({"propertyNames": {"maxLength": 2}}, "propertyNames"),
            ({"unevaluatedProperties": False}, "unevaluated"), ({"dependentRequired": {"a": ["b"]}}, "dependent")]
+# ... and those xgrammar leaves out but llguidance enforces, as zod and pydantic write them: e.g. zod's
+# .email().max(100) (format, pattern and maxLength), constr(pattern=, max_length=), Field(multiple_of=0.01),
+# a $ref with a description, allOf of two models. They were 400s; vLLM's "auto" falls back the same way.
+FALLBACK = [({"type": "number", "multipleOf": 0.5, "minimum": -4, "maximum": 4}, None),
+            ({"type": "number", "exclusiveMinimum": 0, "multipleOf": 0.01, "maximum": 100}, None),
+            ({"type": "string", "pattern": "^[A-Z]+$", "minLength": 3, "maxLength": 3}, None),
+            ({"type": "string", "format": "email", "maxLength": 24,
+              "pattern": r"^[A-Za-z0-9_+-]+@(?:[A-Za-z0-9][A-Za-z0-9-]*\.)+[A-Za-z]{2,}$"}, "email"),
+            ({"type": "string", "format": "date-time", "maxLength": 30}, "date-time"),
+            ({"type": "object", "patternProperties": {"^a[0-9]$": {"type": "integer"}}, "additionalProperties": False},
+             None),
+            ({"allOf": [{"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+                         "required": ["a"]},
+                        {"properties": {"a": {}, "b": {"enum": ["x", "y"]}}, "required": ["b"],
+                         "additionalProperties": False}]},
+             None),
+            ({"$defs": {"d": {"type": "string", "maxLength": 8}}, "type": "object", "required": ["p"],
+              "properties": {"p": {"$ref": "#/$defs/d", "description": "a name", "minLength": 2}},
+              "additionalProperties": False}, None)]
 
 
 def _positions(schema, sub):
@@ -478,10 +496,11 @@ def _positions(schema, sub):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(schema=schemas, drop=st.sampled_from(DROPPED), data=st.data())
-def test_a_keyword_xgrammar_drops_is_refused_by_name_wherever_it_is(llm, schema, drop, data):
+def test_a_keyword_no_engine_enforces_is_refused_by_name_wherever_it_is(llm, schema, drop, data):
     """A schema with a keyword the grammar would leave out was compiled without it, and the output
     could break it with finish "stop" (a fuzz: [-4, 0, 0] for uniqueItems, [10.9034295519625] for
-    multipleOf 0.5). It is a 400 naming the keyword and where it is, from the field it came in."""
+    multipleOf 0.5, which llguidance now enforces). It is a 400 naming the keyword and where it is,
+    from the field it came in."""
     sub, name = drop
     where = data.draw(st.sampled_from(list(_positions(schema, sub))))
     with pytest.raises(InvalidRequestError, match=name) as e:
@@ -494,3 +513,83 @@ def test_a_keyword_xgrammar_drops_is_refused_by_name_wherever_it_is(llm, schema,
              "additionalProperties": False}
     assert llm.generate(["x"], SamplingParams(max_tokens=60, temperature=0.0, guided=GuidedSpec(
         "json_schema", json.dumps(named))))[0].finish_reason in ("stop", "length")
+
+
+def _validated(llm, schema, fmt=None, n=8, max_tokens=160) -> list:
+    spec = GuidedSpec("json_schema", json.dumps(schema))
+    outs = llm.generate(PROMPTS[:4] * (n // 4), [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i,
+                                                                guided=spec) for i in range(n)])
+    done = [o for o in outs if o.finish_reason == "stop"]  # (a long string can run past max_tokens)
+    for o in done:
+        assert compact(o.text) and o.token_ids[-1] == llm.tokenizer.eos_token_id, o.text
+        jsonschema.validate(json.loads(o.text), schema, format_checker=jsonschema.FormatChecker())
+        if fmt == "date-time":  # (jsonschema checks date-time only with rfc3339-validator installed)
+            value = next(iter(_strings(json.loads(o.text))))
+            # (RFC 3339 takes a lower-case t and z too)
+            assert re.fullmatch(r"\d{4}-\d\d-\d\d[Tt]\d\d:\d\d:\d\d(\.\d+)?([Zz]|[+-]\d\d:\d\d)", value), o.text
+    llm.engine.check_invariants()
+    return done
+
+
+def _strings(v):
+    if isinstance(v, str):
+        yield v
+    for x in (v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()):
+        yield from _strings(x)
+
+
+@pytest.mark.parametrize("case", FALLBACK, ids=[json.dumps(c[0])[:40] for c in FALLBACK])
+def test_what_xgrammar_leaves_out_llguidance_enforces(llm, case):
+    """Sampled at temperature 1 on the random model, every finished output validates (formats too),
+    compact, ended by the engine's end token."""
+    assert len(_validated(llm, case[0], case[1])) >= 4
+
+
+@settings(max_examples=16, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schema=schemas, case=st.sampled_from(FALLBACK[:-2]), data=st.data())  # (allOf merged into a property could
+def test_what_xgrammar_leaves_out_llguidance_enforces_wherever_it_is(llm, schema, case, data):  # contradict it; $ref)
+    """The same, anywhere in a generated schema."""
+    sub, fmt = case
+    # (put in place of a property's schema, not merged with it: an enum of strings with "type": "number"
+    # contradicts itself, and llguidance rightly says so)
+    placed = [{**schema, "properties": {**schema["properties"], k: sub}} for k in schema["properties"]]
+    where = data.draw(st.sampled_from(placed + [
+        {"anyOf": [schema, sub]}, {"type": "array", "prefixItems": [schema, sub], "items": False},
+        {"$defs": {"d": sub}, "type": "array", "items": {"$ref": "#/$defs/d"}, "maxItems": 2}]))
+    assert len(_validated(llm, where, fmt)) >= 4, where
+
+
+@pytest.mark.parametrize("schema", ENFORCED, ids=[json.dumps(s)[:40] for s in ENFORCED])
+def test_what_xgrammar_enforces_llguidance_enforces_too(llm, schema):
+    """Every kind of constraint above, in a schema that goes to llguidance (an allOf of two), is
+    enforced or refused whole (maxProperties beside optional properties), never dropped."""
+    inner = {k: v for k, v in schema.items() if k != "$defs"}
+    wrapped = {"allOf": [inner, {"$comment": "to llguidance"}], **({"$defs": schema["$defs"]} if "$defs" in schema
+                                                                   else {})}
+    if "maxProperties" in schema:
+        with pytest.raises(InvalidRequestError, match="maxProperties"):
+            _validated(llm, wrapped)
+        return
+    assert len(_validated(llm, wrapped)) >= 4
+
+
+def test_an_llguidance_grammar_ends_on_any_of_the_engines_end_tokens(model_dirs):
+    """The engine's end tokens (EOS and generation_config's) all end a schema llguidance compiled,
+    as under xgrammar: the mask has each where the text may end, and any of them terminates."""
+    import torch
+
+    from folio.worker.guided import Grammars
+    from folio.worker.guided_llg import new_matcher
+    eng = LLM(model_dirs["llama"], block_size=8, num_kv_blocks=64).engine
+    stops = [eng.tokenizer.eos_token_id, 7, 900]
+    g = Grammars(eng.tokenizer, eng.vocab_size, stops)
+    spec = GuidedSpec("json_schema", json.dumps({"type": "number", "multipleOf": 0.5, "minimum": 1, "maximum": 1}))
+    for stop in stops:
+        m = new_matcher(g._xgr, g.compiled(spec))
+        for t in eng.tokenizer.encode("1", add_special_tokens=False):
+            assert m.accept_token(t) and not m.is_terminated()
+        bm = torch.zeros(1, (eng.vocab_size + 31) // 32, dtype=torch.int32)
+        m.fill_next_token_bitmask(bm, 0)
+        allowed = {t for t in range(eng.vocab_size) if (int(bm[0, t // 32]) >> (t % 32)) & 1}
+        assert set(stops) <= allowed, allowed
+        assert m.accept_token(stop) and m.is_terminated() and not m.accept_token(stop)

@@ -1,0 +1,120 @@
+"""JSON schemas that xgrammar would not enforce whole, enforced by llguidance (vLLM's "auto" falls
+back to it the same way: `has_xgrammar_unsupported_json_features`, then guidance).
+
+The schemas that ordinary client code makes hit xgrammar 0.2.9's gaps: zod's `.email().max(100)`
+and pydantic's `constr(pattern=..., max_length=...)` put a length beside a pattern or format,
+`Field(multiple_of=0.01)` a multipleOf on a number, and pydantic's `$ref` with a description or
+an `allOf` of two models. They were 400s (worker/schema_support.py names why). llguidance
+intersects a pattern with a length, takes multipleOf on numbers, merges allOf and follows a
+`$ref` beside other keywords; what it does not implement (uniqueItems, contains, not, if/then,
+propertyNames, ...) it refuses by name, so such a schema stays a 400 and nothing is dropped.
+
+    llg = Llguidance(tokenizer, vocab_size, stop_token_ids)
+    g = llg.compile_json_schema(schema_text, why_not_xgrammar)   # LlgGrammar, or InvalidRequestError
+    m = new_matcher(xgr, g)           # xgrammar's GrammarMatcher or LlgMatcher: the same three calls
+
+The matcher speaks xgrammar's: accept_token, fill_next_token_bitmask (the same packed int32
+layout), is_terminated (only after the end token, as xgrammar's: a grammar that is complete
+allows just that token, so a sequence ends as it does under xgrammar). JSON is compact here too.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from folio.worker.errors import InvalidRequestError
+
+
+def _limits():
+    """llguidance's bounds, tighter where its defaults let one grammar hold much memory: 250,000 lexer
+    states at 1-2 kB each; 50,000 here (hostile patterns such as (a|b)*a(a|b){12} or (.{0,8}){0,8}x
+    beside a maxLength grew the process < 8 MB). Its errors say what broke, not the schema's text."""
+    import llguidance
+
+    return llguidance.LLParserLimits(max_lexer_states=50_000, verbose_errors=False)
+
+
+class LlgGrammar:
+    """A compiled schema: a matcher at its start, copied for each sequence (llguidance's deep_copy)."""
+
+    def __init__(self, start, text: str, stops: tuple[int, ...]) -> None:
+        self.start, self.stops = start, stops
+        # a cache's figure (guided.Grammars bounds its bytes); llguidance reports none. Measured: 20 email
+        # schemas (zod's, 2 KB of grammar each) grew the process 7 MB, their first fills included
+        self.memory_size_bytes = 256 * 1024 + 64 * len(text)
+
+
+class LlgMatcher:
+    def __init__(self, g: LlgGrammar) -> None:
+        self.m = g.start.deep_copy()
+        self.stops = g.stops  # the engine's end tokens: llguidance knows the first, the others stand for it
+        self.terminated = False
+
+    def accept_token(self, token: int) -> bool:
+        if self.terminated:
+            return False
+        stop = token in self.stops
+        if self.m.is_stopped():  # complete: only an end token follows (llguidance takes no more)
+            self.terminated = stop
+            return stop
+        ok = bool(self.m.consume_token(self.stops[0] if stop else token)) and not self.m.is_error()
+        self.terminated = ok and stop
+        return ok
+
+    def fill_next_token_bitmask(self, bitmask, index: int) -> None:
+        import llguidance.torch
+
+        llguidance.torch.fill_next_token_bitmask(self.m, bitmask, index)
+        first = self.stops[0]
+        if len(self.stops) > 1 and (int(bitmask[index, first // 32]) >> (first % 32)) & 1:
+            for t in self.stops[1:]:  # (int32 words: set bit 31 as the negative number it is)
+                word = int(bitmask[index, t // 32]) | (1 << (t % 32))
+                bitmask[index, t // 32] = word - (1 << 32) if word >= 1 << 31 else word
+
+    def is_terminated(self) -> bool:
+        return self.terminated
+
+    @property
+    def error(self) -> str | None:
+        """Why the matcher stopped taking tokens (a resource limit), else None."""
+        return self.m.get_error().splitlines()[0][:200] if self.m.is_error() else None
+
+
+def new_matcher(xgr, g):
+    """A matcher at the grammar's start, for either engine's compiled grammar."""
+    return LlgMatcher(g) if isinstance(g, LlgGrammar) else xgr.GrammarMatcher(g)
+
+
+class Llguidance:
+    """llguidance's view of one tokenizer, made on first use (a fallback most engines never need)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stops: list[int]) -> None:
+        self._tokenizer, self._vocab_size = tokenizer, vocab_size
+        self.stops = tuple(t for t in stops if t is not None and 0 <= t < vocab_size) or (0,)
+        self._ll = None
+        self._lock = threading.Lock()
+
+    def _tok(self):
+        with self._lock:
+            if self._ll is None:
+                import llguidance.hf
+
+                self._ll = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=self._vocab_size,
+                                                        eos_token=self.stops[0])
+            return self._ll
+
+    def compile_json_schema(self, schema: str, why_not: InvalidRequestError) -> LlgGrammar:
+        """The schema compiled by llguidance, compact; `why_not` (xgrammar's gap) is raised, with
+        llguidance's own reason, where it cannot enforce the schema either."""
+        import llguidance
+
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+            start = llguidance.LLMatcher(self._tok(), grammar, log_level=0, limits=_limits())
+            err = start.get_error() if start.is_error() else None
+        except Exception as e:  # (a schema it cannot read)
+            err = str(e)
+        if err:
+            raise InvalidRequestError(f"{why_not}; the fallback engine cannot enforce it either: "
+                                      f"{err.splitlines()[0][:200]}", param=why_not.param) from None
+        return LlgGrammar(start, grammar, self.stops)
