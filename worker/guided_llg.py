@@ -20,18 +20,34 @@ allows just that token, so a sequence ends as it does under xgrammar). JSON is c
 
 from __future__ import annotations
 
+import json
 import threading
+
+import torch
 
 from folio.worker.errors import InvalidRequestError
 
 
 def _limits():
     """llguidance's bounds, tighter where its defaults let one grammar hold much memory: 250,000 lexer
-    states at 1-2 kB each; 50,000 here (hostile patterns such as (a|b)*a(a|b){12} or (.{0,8}){0,8}x
-    beside a maxLength grew the process < 8 MB). Its errors say what broke, not the schema's text."""
+    states at 1-2 kB each; 10,000 here (~20 MB at most a grammar). Its errors say what broke, not the
+    schema's text."""
     import llguidance
 
-    return llguidance.LLParserLimits(max_lexer_states=50_000, verbose_errors=False)
+    return llguidance.LLParserLimits(max_lexer_states=10_000, verbose_errors=False)
+
+
+def _guarded(fn, *args):
+    """fn(*args), a Rust panic in llguidance (pyo3's PanicException, a BaseException that the engine's
+    fault isolation would not catch: it took the step thread) raised as a RuntimeError instead."""
+    try:
+        return fn(*args)
+    except Exception:
+        raise
+    except BaseException as e:
+        if type(e).__name__ != "PanicException":
+            raise
+        raise RuntimeError(f"llguidance failed: {e}") from None
 
 
 class LlgGrammar:
@@ -39,32 +55,34 @@ class LlgGrammar:
 
     def __init__(self, start, text: str, stops: tuple[int, ...]) -> None:
         self.start, self.stops = start, stops
-        # a cache's figure (guided.Grammars bounds its bytes); llguidance reports none. Measured: 20 email
-        # schemas (zod's, 2 KB of grammar each) grew the process 7 MB, their first fills included
-        self.memory_size_bytes = 256 * 1024 + 64 * len(text)
+        # a cache's figure (guided.Grammars bounds its bytes); llguidance reports none. Measured on SmolLM2:
+        # 120 distinct patterns such as ^(a|b|c)*a(a|b|c){12}x7$ beside a maxLength, each used for 3 x 60
+        # tokens, grew the process ~1.1 MB apiece (their lexers' states, shared by a grammar's matchers)
+        self.memory_size_bytes = 2 * 1024 * 1024 + 64 * len(text)
 
 
 class LlgMatcher:
     def __init__(self, g: LlgGrammar) -> None:
-        self.m = g.start.deep_copy()
+        self.m = _guarded(g.start.deep_copy)
         self.stops = g.stops  # the engine's end tokens: llguidance knows the first, the others stand for it
         self.terminated = False
 
     def accept_token(self, token: int) -> bool:
-        if self.terminated:
+        if self.terminated or self.m.is_error():  # (an error stops the matcher too: its mask is the end alone)
             return False
         stop = token in self.stops
         if self.m.is_stopped():  # complete: only an end token follows (llguidance takes no more)
             self.terminated = stop
             return stop
-        ok = bool(self.m.consume_token(self.stops[0] if stop else token)) and not self.m.is_error()
+        ok = bool(_guarded(self.m.consume_token, self.stops[0] if stop else token)) and not self.m.is_error()
         self.terminated = ok and stop
         return ok
 
     def fill_next_token_bitmask(self, bitmask, index: int) -> None:
-        import llguidance.torch
-
-        llguidance.torch.fill_next_token_bitmask(self.m, bitmask, index)
+        # (as llguidance.torch's own fill, which is not imported: it imports torch._dynamo, 2-3 s here)
+        row = bitmask[index]
+        assert bitmask.dtype == torch.int32 and row.is_contiguous() and not row.is_cuda
+        _guarded(self.m.unsafe_compute_mask_ptr, row.data_ptr(), row.numel() * 4)
         first = self.stops[0]
         if len(self.stops) > 1 and (int(bitmask[index, first // 32]) >> (first % 32)) & 1:
             for t in self.stops[1:]:  # (int32 words: set bit 31 as the negative number it is)
@@ -106,12 +124,24 @@ class Llguidance:
     def compile_json_schema(self, schema: str, why_not: InvalidRequestError) -> LlgGrammar:
         """The schema compiled by llguidance, compact; `why_not` (xgrammar's gap) is raised, with
         llguidance's own reason, where it cannot enforce the schema either."""
+        import jsonschema
         import llguidance
 
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
-            start = llguidance.LLMatcher(self._tok(), grammar, log_level=0, limits=_limits())
-            err = start.get_error() if start.is_error() else None
+        try:  # a schema JSON Schema itself refuses (multipleOf -1: llguidance took it) is no grammar
+            meta = jsonschema.Draft202012Validator(jsonschema.Draft202012Validator.META_SCHEMA)  # (formats unchecked:
+            bad = jsonschema.exceptions.best_match(meta.iter_errors(json.loads(schema)))  # ECMA's \p{L} is no re's)
+            if bad is not None:
+                raise jsonschema.SchemaError.create_from(bad)
+            grammar = _guarded(llguidance.LLMatcher.grammar_from_json_schema, schema, {"whitespace_flexible": False})
+            start = _guarded(lambda: llguidance.LLMatcher(self._tok(), grammar, log_level=0, limits=_limits()))
+            if not start.is_error():  # some errors come with the first mask only (allOf: [{"$ref": "#"}, {}])
+                probe = LlgMatcher(LlgGrammar(start, "", self.stops))
+                probe.fill_next_token_bitmask(torch.zeros(1, (self._vocab_size + 31) // 32, dtype=torch.int32), 0)
+                err = probe.error
+            else:
+                err = start.get_error()
+        except jsonschema.SchemaError as e:
+            err = f"not a valid JSON schema: {e.message[:150]} (at {'/'.join(['#', *map(str, e.path)])})"
         except Exception as e:  # (a schema it cannot read)
             err = str(e)
         if err:

@@ -593,3 +593,52 @@ def test_an_llguidance_grammar_ends_on_any_of_the_engines_end_tokens(model_dirs)
         allowed = {t for t in range(eng.vocab_size) if (int(bm[0, t // 32]) >> (t % 32)) & 1}
         assert set(stops) <= allowed, allowed
         assert m.accept_token(stop) and m.is_terminated() and not m.accept_token(stop)
+
+
+@pytest.mark.parametrize("schema, fragment", [
+    ({"type": "number", "multipleOf": -1}, "less than or equal to the minimum of 0 (at #/multipleOf)"),
+    ({"type": "number", "multipleOf": 0}, "(at #/multipleOf)"), ({"type": "number", "multipleOf": "x"}, "not of type"),
+    ({"type": "string", "format": "email", "maxLength": -1}, "(at #/maxLength)"),
+    ({"allOf": [{"$ref": "#"}, {}]}, "cannot enforce it either"),  # (llguidance's error comes with its first mask)
+    ({"type": "string", "pattern": "^[a-z]+$", "minLength": 5, "maxLength": 2}, "cannot enforce it either")])
+def test_a_schema_llguidance_would_take_wrongly_or_cannot_start_is_refused(llm, schema, fragment):
+    """llguidance compiled multipleOf -1 (JSON Schema wants > 0) without a word: a schema the draft 2020-12
+    metaschema refuses is a 400 before it reaches llguidance (formats unchecked: ECMA's \\p{L} is valid)."""
+    with pytest.raises(InvalidRequestError, match=re.escape(fragment)) as e:
+        llm.generate(["x"], SamplingParams(max_tokens=4, guided=GuidedSpec("json_schema", json.dumps(schema),
+                                                                           "guided_json")))
+    assert e.value.param == "guided_json"
+    ok = GuidedSpec("json_schema", json.dumps({"type": "string", "pattern": "^\\p{L}{2}$", "maxLength": 3}))
+    outs = llm.generate(PROMPTS[:4], [SamplingParams(max_tokens=20, temperature=1.0, seed=i, guided=ok) for i in range(4)])
+    assert all(o.finish_reason == "stop" and len(json.loads(o.text)) == 2 and json.loads(o.text).isalpha() for o in outs)
+
+
+def test_a_grammar_past_llguidances_limits_fails_its_request_alone(llm):
+    """minLength 10**6 beside a pattern builds too many regex states at the first token: that request
+    fails in its step, naming the limit and its field; the batch's others are as alone."""
+    plain = SamplingParams(max_tokens=8, temperature=0.0)
+    alone = llm.generate([PROMPTS[1]], [plain])[0].token_ids
+    huge = GuidedSpec("json_schema", json.dumps({"type": "string", "pattern": "^a+$", "minLength": 10**6}),
+                      "guided_json")
+    outs = llm.generate([PROMPTS[0], PROMPTS[1]], [SamplingParams(max_tokens=8, guided=huge), plain])
+    assert outs[0].error is not None and "grammar engine stopped" in outs[0].error, outs[0]
+    assert outs[1].token_ids == alone and outs[1].error is None
+    llm.engine.check_invariants()
+
+
+def test_a_panic_in_llguidance_is_an_exception_the_engine_isolates():
+    """pyo3 raises a Rust panic as PanicException, a BaseException: `except Exception` in the step's
+    fault isolation let it through. It comes out as a RuntimeError; interrupts still pass."""
+    from folio.worker.guided_llg import _guarded
+
+    class PanicException(BaseException):
+        pass
+
+    def boom(e):
+        raise e
+    with pytest.raises(RuntimeError, match="llguidance failed"):
+        _guarded(boom, PanicException("index out of bounds"))
+    with pytest.raises(KeyboardInterrupt):
+        _guarded(boom, KeyboardInterrupt())
+    with pytest.raises(ValueError):
+        _guarded(boom, ValueError("x"))
