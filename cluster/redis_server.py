@@ -19,8 +19,10 @@ rebuild them (cluster/state.py).
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -36,6 +38,24 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _dies_with(parent: int):
+    """The child's last step before exec: SIGTERM when its parent goes (Linux's PR_SET_PDEATHSIG), so a
+    `folio serve` killed outright (SIGKILL, or Ray's driver exit after the GCS is lost) takes its Redis with
+    it; the server kept running for good, listening, its password in the directory left behind (an
+    attack, 2026-12-08). The signal comes when the *thread* that spawned it ends: start()'s caller and the
+    supervisor thread, which live as long as the server is meant to."""
+    def arm() -> None:
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+        except (OSError, AttributeError):  # not Linux: stop() alone ends the server
+            return
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(1)
+    return arm
 
 
 def redis_server_binary() -> str:
@@ -71,7 +91,7 @@ class EmbeddedRedis:
 
     def _spawn(self, timeout_s: float) -> None:
         proc = subprocess.Popen([redis_server_binary(), "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE)
+                                stderr=subprocess.PIPE, preexec_fn=_dies_with(os.getpid()))
         proc.stdin.write(self._config().encode())
         proc.stdin.close()
         self.proc = proc

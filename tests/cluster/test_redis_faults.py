@@ -60,6 +60,43 @@ def test_the_directory_is_removed_on_stop():
     assert not os.path.exists(d)
 
 
+OWNER = """
+import sys, time
+from folio.cluster.redis_server import EmbeddedRedis
+r = EmbeddedRedis().start(supervise=True)
+if sys.argv[1] == "restart":  # the second server is the supervisor thread's child
+    r.proc.kill()
+    while r.restarts == 0:
+        time.sleep(0.02)
+print(r.proc.pid, r.dir, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("which", ["first", "restart"])
+def test_a_redis_dies_with_its_owner_killed_outright(tmp_path, which):
+    """A `folio serve` killed outright (SIGKILL; Ray's driver exit after its GCS is gone) left its embedded
+    redis-server running for good, listening (an attack, 2026-12-08). It now gets SIGTERM when its owner goes,
+    whether start() spawned it or the supervisor restarted it."""
+    import subprocess
+    import sys
+
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, which], stdout=subprocess.PIPE, text=True)
+    try:
+        pid, _ = owner.stdout.readline().split()
+        server = psutil.Process(int(pid))
+        assert server.is_running() and server.ppid() == owner.pid
+    finally:
+        owner.kill()
+        owner.wait()
+    gone = lambda: not server.is_running() or server.status() == psutil.STATUS_ZOMBIE  # noqa: E731
+    try:
+        wait_for(gone, 5.0, "the redis-server to end with its owner", ignore=(psutil.NoSuchProcess,))
+    finally:
+        if server.is_running():
+            server.kill()
+
+
 @pytest.mark.parametrize("rounds", [3])
 def test_the_supervisor_restarts_a_killed_server_on_the_same_port_and_password(rounds):
     server = EmbeddedRedis().start(supervise=True)
