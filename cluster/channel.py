@@ -1,24 +1,23 @@
-"""A frontend's end of the data plane (worker/data_plane.py): one channel per (event loop,
-worker). Submits, aborts and attaches go down its TCP connection in order as batches (one in
-flight, awaited); every chunk of the frontend's requests there comes back on it, one frame per
-worker step, and is put in its request's Inbox (merged while the reader is behind). A reader
-that leaves queues its abort on the channel at once, behind its own submit; one that leaves
-before reading its request's move has the move's import dropped on its destination instead
-(RayWorkerClient.drop_moved: an abort here found nothing, and the request ran on there,
-unread, to its end, its id held for good: an attack of stalled gRPC streams, 2026-12-06). RayWorkerClient
-(worker_client.py) opens them; the address and token of the worker's data port come over Ray.
+"""A frontend's end of the data plane (worker/data_plane.py): one channel per (event loop, worker). Submits, aborts and
+attaches go down its TCP connection in order as batches (one in flight, awaited); every chunk of the frontend's
+requests there comes back on it, one frame per worker step, and is put in its request's Inbox (merged while the
+reader is behind). A reader that leaves queues its abort on the channel at once, behind its own submit; one that
+leaves before reading its request's move has the move's import dropped on its destination instead
+(RayWorkerClient.drop_moved: an abort here found nothing, and the request ran on there, unread, to its end, its id
+held for good: an attack of stalled gRPC streams, 2026-12-06). RayWorkerClient (worker_client.py) opens them; the
+address and token of the worker's data port come over Ray.
 
-Request ids are demultiplexed by name, so an id whose reader left is held ("draining") until
-the worker's last item for it comes back (its abort's final chunk, its finish, a migration, an
-error): a new request under the same id meanwhile waits for it (up to DRAIN_WAIT_S, then
-"already in use"). Without the hold, a client that cancelled a stream and sent its id again
-got the old request's final chunk on the new stream, which the router read as a worker that
-skipped tokens: UNAVAILABLE "no worker is alive to take the request"."""
+Request ids are demultiplexed by name, so an id whose reader left is held ("draining") until the worker's last item
+for it comes back (its abort's final chunk, its finish, a migration, an error): a new request under the same id
+meanwhile waits for it (up to DRAIN_WAIT_S, then "already in use"). Without the hold, a client that cancelled a
+stream and sent its id again got the old request's final chunk on the new stream, which the router read as a worker
+that skipped tokens: UNAVAILABLE "no worker is alive to take the request"."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import time
 import uuid
 from collections import deque
 from typing import AsyncIterator
@@ -82,7 +81,7 @@ class Channel:
         loop = asyncio.get_running_loop()
         self.connected: asyncio.Future = loop.create_future()  # the writer, once the hello went out
         self.results: asyncio.Future | None = None  # the in-flight batch's results
-        self.seq = 0
+        self.seq, self.heard = 0, time.monotonic()  # heard: the worker's last frame here (or the channel's start)
         self.reader = loop.create_task(self._read())
         self.sender = loop.create_task(self._send_loop())
 
@@ -123,6 +122,13 @@ class Channel:
             self.abort_soon(rid)  # (a move not read yet: its import is dropped there, and its marker here)
             box.items = deque(i for i in box.items if not (isinstance(i, StreamChunk) and i.migrated_to is not None))
             box.put(copy.copy(err))  # one each (a ShuttingDownError: its message its only argument)
+
+    def cut_if_silent(self, bound_s: float) -> None:
+        """Fail every request here if the worker sent nothing for `bound_s` (liveness.SilentChannelWatch)."""
+        silent = time.monotonic() - self.heard
+        if self.dead is None and (self.inboxes or self.inflight) and silent >= bound_s:
+            self._break(WorkerDiedError(self.wid, f"it sent nothing for {silent:.0f} s and its heartbeat lapsed: its "
+                                                  "process or its node stopped, or the network to it failed"))
 
     async def call(self, msg):
         fut = asyncio.get_running_loop().create_future()
@@ -227,6 +233,7 @@ class Channel:
             self.connected.set_result(writer)
             while True:
                 frame = await data_plane.read_frame(reader)
+                self.heard = time.monotonic()
                 if frame[0] == "c":
                     for rid, item in frame[1]:
                         box = self.inboxes.get(rid)

@@ -30,6 +30,8 @@ import time
 FROZEN_S = float(os.environ.get("FOLIO_WORKER_FROZEN_S", "20"))
 START_S = float(os.environ.get("FOLIO_WORKER_START_S", "600"))  # a restarting process's time to publish
 PING_TIMEOUT_S = 5.0
+# a frontend's bound on a silent worker's channel (SilentChannelWatch): past the watch's kill and its landing
+CHANNEL_SILENT_S = float(os.environ.get("FOLIO_CHANNEL_SILENT_S", str(FROZEN_S + PING_TIMEOUT_S + 5.0)))
 COORDINATOR_TTL_S = 3.0  # the coordinator's heartbeat outlives its last beat by this (it beats every second)
 log = logging.getLogger("folio.liveness")
 
@@ -153,3 +155,41 @@ class CoordinatorWatch:
             return
         ray.kill(await self._actor(), no_restart=False)
         self.restarts += 1
+
+
+class SilentChannelWatch:
+    """A frontend's own bound on a worker that went silent, for when the kill above cannot land: a
+    whole node stopped or cut off (its raylet with it), where Ray's kill waits on that raylet and
+    Ray calls the node dead only after ~65 s. Its streams hung for as long as the node stayed
+    stopped (45-100 s in an attack, 2026-12-08), holding their admission slots, and ended, if
+    ever, with "a step ran longer than 60 s". A worker whose heartbeat has lapsed for `bound_s`
+    (the watch's kill and its landing by then, where the node answers), while Redis is reachable,
+    and whose channel here has carried nothing for as long, has its requests failed here
+    (Channel.cut_if_silent). Its heartbeat lapsing alone is no reason: a worker cut off from
+    Redis still streams (the coordinator's ping finds it alive), and such a channel is not silent."""
+
+    def __init__(self, state, client, bound_s: float = CHANNEL_SILENT_S, check_s: float = 1.0) -> None:
+        self.state, self.client = state, client  # ClusterState, RayWorkerClient (its cut_silent)
+        self.bound_s, self.check_s = bound_s, check_s
+        self.missing: dict[str, float] = {}  # wid -> when its heartbeat was first seen lapsed (monotonic)
+        self.cuts = 0
+
+    async def run(self) -> None:
+        while True:
+            await self.check()
+            await asyncio.sleep(self.check_s)
+
+    async def check(self, now: float | None = None) -> None:
+        try:
+            live = await self.state.alive_loads()
+        except Exception:  # Redis away: no worker could beat, so none is known silent
+            self.missing.clear()
+            return
+        now = time.monotonic() if now is None else now
+        for wid in self.client.channel_workers():
+            if wid in live:
+                self.missing.pop(wid, None)
+                continue
+            since = self.missing.setdefault(wid, now)
+            if now - since >= self.bound_s:
+                self.cuts += self.client.cut_silent(wid, self.bound_s)

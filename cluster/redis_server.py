@@ -53,8 +53,8 @@ def _dies_with(parent: int):
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
         except (OSError, AttributeError):  # not Linux: stop() alone ends the server
             return
-        if os.getppid() != parent:  # the parent died before the signal was armed
-            os._exit(1)
+        if os.getppid() != parent:  # the parent died before the signal was armed: no exec (the child ends)
+            raise ChildProcessError("the owner of this redis-server is gone")
     return arm
 
 

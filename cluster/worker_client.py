@@ -144,6 +144,26 @@ class RayWorkerClient:
                 elif not loop.is_closed():
                     loop.call_soon_threadsafe(ch.cut, err)
 
+    def channel_workers(self) -> set[str]:
+        """The workers this client has a channel to, on any event loop."""
+        return {w for channels in list(self._channels.values()) for w in list(channels)}
+
+    def cut_silent(self, wid: str, bound_s: float) -> int:
+        """Fail the requests on `wid`'s channels that have carried nothing for `bound_s` (its
+        heartbeat lapsed as long: liveness.SilentChannelWatch); how many channels it looked at."""
+        here, n = asyncio.get_running_loop(), 0
+        self.forget(wid)  # (its cached actor handle: looked up again, as after a death)
+        for loop, channels in list(self._channels.items()):
+            ch = channels.get(wid)
+            if ch is None or ch.dead is not None:
+                continue
+            n += 1
+            if loop is here:
+                ch.cut_if_silent(bound_s)
+            elif not loop.is_closed():
+                loop.call_soon_threadsafe(ch.cut_if_silent, bound_s)
+        return n
+
     def drop_moved(self, wid: str, request_id: str) -> None:
         """A request moved to `wid` whose reader left before reading the move: nobody will
         attach to it there, so its import is dropped (aborted, its stream gone), without waiting."""

@@ -145,12 +145,15 @@ HEALTH = dict(health_check_period_s=2, health_check_timeout_s=5, **serve_options
 @serve.ingress(api)
 class FolioFrontend:
     def __init__(self, cfg: FrontendConfig) -> None:
-        from folio.cluster.liveness import CoordinatorWatch
+        from folio.cluster.liveness import CoordinatorWatch, SilentChannelWatch
 
         self.frontend = Frontend(cfg)
         # a stopped coordinator is restarted by one of the frontends (liveness.py); the router's Redis client
         self.coordinator_watch = CoordinatorWatch(self.frontend.router.state, cfg.namespace)
         self.watch_task = asyncio.get_running_loop().create_task(self.coordinator_watch.run())
+        # a worker whose node stopped (no kill lands there): its streams here fail past a bound
+        self.channel_watch = SilentChannelWatch(self.frontend.router.state, self.frontend.router.client)
+        self.channel_watch_task = asyncio.get_running_loop().create_task(self.channel_watch.run())
         self.grpc = None
         if cfg.grpc_port:
             self.grpc_task = asyncio.get_running_loop().create_task(self._start_grpc(cfg.grpc_port))

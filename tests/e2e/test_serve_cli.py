@@ -216,6 +216,58 @@ def test_a_frozen_coordinator_and_a_frozen_frontend_replica_are_replaced(model_d
         assert_stopped_leaving_nothing(proc, "".join(lines) + out)
 
 
+def gauge(port: int, name: str) -> float:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+SILENT_BOUND_S = 15.0  # FOLIO_CHANNEL_SILENT_S (3 s) after the heartbeat's TTL (1.5 s), checked every second
+
+
+def test_a_stopped_worker_that_no_kill_reaches_has_its_streams_failed_by_the_frontend(model_dirs):
+    """A whole node stopped (its raylet too) cannot be killed: Ray's kill waits on that raylet, and the
+    streams on its worker hung for as long as it stayed stopped (45-100 s in a two-node attack). Here the
+    coordinator's kill is kept away (FOLIO_WORKER_FROZEN_S 600 s) and the worker SIGSTOPped mid-stream:
+    the frontend fails the stream itself once the worker's heartbeat has lapsed and its channel has been
+    silent for FOLIO_CHANNEL_SILENT_S (3 s here). SIGCONT: the worker sees its channel closed and drops
+    the request (KV back to 0), and the next request is served."""
+    import openai
+
+    with serve_in_its_own_group(model_dirs["llama"], "silentch", FOLIO_WORKER_FROZEN_S="600",
+                                FOLIO_CHANNEL_SILENT_S="3") as (proc, port):
+        lines = read_until_ready(proc)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+        worker = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                  if "EngineWorker" in " ".join(c.cmdline())][0]
+        stream = client.completions.create(model=os.path.basename(model_dirs["llama"]), prompt="def f(x):",
+                                           max_tokens=200, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        worker.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(openai.APIError, match="heartbeat lapsed"):
+                for _ in stream:
+                    pass
+            took = time.monotonic() - t0
+            assert took < SILENT_BOUND_S, took
+        finally:
+            worker.send_signal(signal.SIGCONT)
+        print(f"stream failed {took:.1f} s after the stop")
+        assert_eventually(lambda: gauge(port, "folio_requests_running") == 0
+                          and gauge(port, "folio_kv_cache_usage_ratio") == 0, "the worker to drop the request", 20)
+        out = client.completions.create(model=os.path.basename(model_dirs["llama"]), prompt="def f(x):",
+                                        max_tokens=4, temperature=0)
+        assert out.choices[0].finish_reason == "length"
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+        assert_stopped_leaving_nothing(proc, "".join(lines) + rest)
+
+
 def test_two_frontend_replicas_share_the_ports_and_their_metrics(model_dirs):
     """`--frontend-replicas 2` (vLLM's --api-server-count): both replicas serve the HTTP port,
     every scrape of the shared metrics port counts both replicas' requests, and one replica
