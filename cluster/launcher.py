@@ -51,6 +51,7 @@ from folio.cluster.coordinator import CoordinatorActor  # noqa: E402
 from folio.cluster.ray_start import RayStart  # noqa: E402
 from folio.cluster.redis_server import EmbeddedRedis  # noqa: E402
 from folio.cluster.router import Router  # noqa: E402
+from folio.cluster.fencing import FencedPublisher  # noqa: E402
 from folio.cluster.state import ClusterState, WorkerPublisher  # noqa: E402
 from folio.cluster.worker_client import RayWorkerClient, actor_name  # noqa: E402
 from folio.worker.actor import EngineWorker  # noqa: E402
@@ -178,7 +179,7 @@ class FolioCluster:
                                 max_restarts=-1, max_task_retries=0,
                                 **self._lifetime()).remote(
             wid, functools.partial(make_engine, engine_config, threads),
-            functools.partial(WorkerPublisher, self.redis_url, cfg.namespace), cfg.heartbeat_s,
+            functools.partial(FencedPublisher, self.redis_url, cfg.namespace), cfg.heartbeat_s,
             exit_on_failure_s=WORKER_EXIT_GRACE_S)
         self.workers[wid] = handle
         return handle

@@ -182,3 +182,80 @@ def test_a_step_longer_than_the_ttl_keeps_the_worker_alive_and_a_stuck_one_does_
             asyncio.run(main())
         finally:
             w.shutdown()
+
+
+def _load(wid="w1", free=32):
+    from folio.worker.messages import WorkerLoad
+
+    return WorkerLoad(worker_id=wid, timestamp=time.time(), num_kv_blocks=32, num_free_blocks=free, num_cpu_blocks=0,
+                      num_free_cpu_blocks=0, block_size=16, requests=[])
+
+
+@pytest.mark.parametrize("flush", [False, True])
+def test_a_worker_process_ray_replaced_ends_itself_and_its_successor_keeps_the_name(flush):
+    """Ray restarts a worker whose node it calls dead elsewhere, while the old process runs on: both
+    beat as w1 (a two-node attack, 2026-12-08: its metrics flapped, frontends kept the old one). Each
+    process's first beat claims the name; the old one, at its next check, finds another's claim and
+    ends (on_replaced), beating no more. A lone process is never replaced by its own claims, nor by a
+    Redis that lost its data (FLUSHALL: the first to beat claims it again)."""
+    from folio.cluster.fencing import FencedPublisher
+
+    with EmbeddedRedis() as server:
+        state = ClusterState(server.url, "fence")
+        ended = []
+        old = FencedPublisher(server.url, "fence", check_every=3, on_replaced=ended.append)
+        for _ in range(20):
+            old.publish(_load(free=1))
+        if flush:
+            redis.Redis.from_url(server.url).flushall()
+            for _ in range(6):
+                old.publish(_load(free=1))
+        assert ended == [] and state.live_loads()["w1"].num_free_blocks == 1
+        new = FencedPublisher(server.url, "fence", check_every=3, on_replaced=ended.append)
+        new.publish(_load(free=2))
+        for _ in range(5):  # its next check comes within check_every beats; after it, nothing more
+            old.publish(_load(free=1))
+        assert ended == ["w1"] and old.replaced
+        new.publish(_load(free=2))
+        for _ in range(5):
+            old.publish(_load(free=1))  # (a test's on_replaced goes on: the real one ended the process)
+        assert state.live_loads()["w1"].num_free_blocks == 2  # the successor's load, not the old one's
+        for _ in range(10):
+            new.publish(_load(free=2))
+        assert ended == ["w1"] and not new.replaced  # the successor keeps the name
+        other = FencedPublisher(server.url, "fence", check_every=3, on_replaced=ended.append)
+        for _ in range(10):
+            other.publish(_load("w2"))  # another worker's name is its own
+        assert ended == ["w1"]
+
+
+REPLACED = """
+import sys, time
+from folio.cluster.fencing import FencedPublisher
+from folio.worker.messages import WorkerLoad
+pub = FencedPublisher(sys.argv[1], "fence", check_every=2)
+for i in range(600):
+    pub.publish(WorkerLoad(worker_id="w1", timestamp=time.time(), num_kv_blocks=1, num_free_blocks=1, num_cpu_blocks=0,
+                           num_free_cpu_blocks=0, block_size=16, requests=[]))
+    print(i, flush=True)
+    time.sleep(0.05)
+"""
+
+
+def test_a_replaced_worker_process_is_ended_for_good():
+    """By default a replaced process ends at once (SIGKILL to itself): its connections close, so its
+    frontends fail or re-run its requests and open channels to its successor."""
+    import subprocess
+    import sys
+
+    from folio.cluster.fencing import FencedPublisher
+
+    with EmbeddedRedis() as server:
+        old = subprocess.Popen([sys.executable, "-c", REPLACED, server.url], stdout=subprocess.PIPE, text=True)
+        try:
+            assert old.stdout.readline().strip() == "0"
+            FencedPublisher(server.url, "fence").publish(_load())
+            assert old.wait(timeout=10) == -9
+        finally:
+            if old.poll() is None:
+                old.kill()
