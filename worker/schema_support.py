@@ -43,12 +43,17 @@ _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
 
 
 def unenforced(schema) -> str | None:
-    """Why xgrammar would not enforce all of `schema` (the first keyword found, with its path), or None."""
-    todo = [(schema, "#")]
+    """Why xgrammar would not enforce all of `schema` (the first keyword found, with its path), or None.
+    A local $ref's target is walked too, wherever it is (xgrammar followed "#/foo" into a place not
+    walked here and dropped the uniqueItems it found: a fuzz, 2026-12-08)."""
+    todo, seen = [(schema, "#")], set()
     while todo:
         node, path = todo.pop()
-        if not isinstance(node, dict):
+        if not isinstance(node, dict) or id(node) in seen:
             continue
+        seen.add(id(node))
+        if isinstance(node.get("$ref"), str) and node["$ref"].startswith("#"):
+            todo.append((_pointed(schema, node["$ref"]), node["$ref"]))
         why = _own(node)
         if why is not None:
             return f"{why} (at {path})"
@@ -64,8 +69,25 @@ def unenforced(schema) -> str | None:
     return None
 
 
+def _pointed(doc, pointer: str):
+    """The JSON pointer's target in `doc` ("#/a/b~1c"), or None."""
+    node = doc
+    for part in [p.replace("~1", "/").replace("~0", "~") for p in pointer[1:].split("/") if p]:
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
 def _own(node: dict) -> str | None:
-    """A keyword of this schema object (not its subschemas) that xgrammar drops."""
+    """A keyword of this schema object (not its subschemas) that xgrammar drops or gets wrong. The
+    2026-12-08 fuzz found the last five: xgrammar dropped `multipleOf` beside a range, over 1024 or
+    not whole; dropped keywords beside an allOf of one; wrote a pattern's control characters raw
+    (no JSON), took `a^b` as "ab" and ignored lookaheads; left out a required name that
+    additionalProperties false forbids; and took an empty anyOf as any text."""
     for k in UNENFORCED:
         if k in node:
             return f"{k!r} is not enforced by the grammar engine"
@@ -73,10 +95,21 @@ def _own(node: dict) -> str | None:
     types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
     if "multipleOf" in node and types != {"integer"}:
         return "'multipleOf' is enforced on integers only (\"type\": \"integer\")"
+    step = node.get("multipleOf")
+    if step is not None and not (type(step) is int and 0 < step <= 1024 and not any(
+            k in node for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"))):
+        return "'multipleOf' is enforced only as a whole number up to 1024 and without a range"
+    if "pattern" in node:
+        return "'pattern' is not enforced whole by the grammar engine"
     if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
         return "minLength / maxLength beside a pattern or format are not enforced by the grammar engine"
-    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
-        return "'allOf' with more than one schema is not enforced by the grammar engine"
+    if "allOf" in node:
+        return "'allOf' is not enforced by the grammar engine"
+    if any(node.get(k) == [] for k in ("anyOf", "oneOf")):
+        return "an empty 'anyOf' / 'oneOf' matches nothing"
+    if node.get("additionalProperties") is False and isinstance(node.get("required"), list) and any(
+            r not in (node.get("properties") or {}) for r in node["required"]) and "patternProperties" not in node:
+        return "a required property that additionalProperties false forbids"
     if "$ref" in node and any(k not in REF_SIBLINGS for k in node):
         extra = sorted(k for k in node if k not in REF_SIBLINGS)
         return f"keywords beside '$ref' ({', '.join(extra)}) are not enforced by the grammar engine"
@@ -124,4 +157,6 @@ def json_schema_ebnf(schema: str) -> str:
     why = unenforced(doc)
     if why is not None:  # compiled, it would be dropped from the grammar: output breaking the schema
         raise Unenforced(f"the json schema cannot be enforced: {why}", param="response_format")
-    return str(xgr.Grammar.from_json_schema(schema, any_whitespace=False)).replace(_BOUNDED_CHAR, _JSON_CHAR)
+    # (compact as llguidance's: xgrammar's own separators are ", " and ": ")
+    return str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=(",", ":"))).replace(
+        _BOUNDED_CHAR, _JSON_CHAR)

@@ -20,7 +20,7 @@ from conftest import PROMPTS
 STRING5 = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 5}}, "required": ["a"],
            "additionalProperties": False}
 # each spec with the text that leads into a place where any character may come
-OPEN_TEXT = [(GuidedSpec("json_schema", json.dumps(STRING5)), '{"a": "'), (GuidedSpec("json_object"), '{"'),
+OPEN_TEXT = [(GuidedSpec("json_schema", json.dumps(STRING5)), '{"a":"'), (GuidedSpec("json_object"), '{"'),
              (GuidedSpec("regex", ".{1,4}"), ""), (GuidedSpec("grammar", "root ::= [^a]+"), "")]
 
 

@@ -155,21 +155,22 @@ def test_an_allow_list_or_bad_words_that_take_a_grammars_first_tokens_are_refuse
 
 
 def compact(text: str) -> bool:
-    """JSON text with no free whitespace: outside strings, a space only right after "," or ":"."""
+    """JSON text with no whitespace outside strings, from either engine (xgrammar's separators were
+    ", " and ": " until 2026-12-08, llguidance's "," and ":")."""
     in_string = escaped = False
-    for i, ch in enumerate(text):
+    for ch in text:
         if in_string:
             in_string, escaped = (escaped or ch != '"'), (not escaped and ch == "\\")
         elif ch == '"':
             in_string = True
-        elif ch.isspace() and not (ch == " " and i and text[i - 1] in ",:"):
+        elif ch.isspace():
             return False
     return True
 
 
 def test_compact_sees_free_whitespace():
-    assert compact('{"a b": [1, {"c": "x\\" y"}], "d": null}')
-    assert not compact('{ "a": 1}') and not compact('{"a": 1,\n"b": 2}') and not compact('{"a":  1}')
+    assert compact('{"a b":[1,{"c":"x\\" y"}],"d":null}')
+    assert not compact('{ "a":1}') and not compact('{"a":1,\n"b":2}') and not compact('{"a": 1}')
 
 
 def test_guided_and_plain_requests_share_a_batch(llm):
@@ -642,3 +643,41 @@ def test_a_panic_in_llguidance_is_an_exception_the_engine_isolates():
         _guarded(boom, KeyboardInterrupt())
     with pytest.raises(ValueError):
         _guarded(boom, ValueError("x"))
+
+
+# what a fuzz of the served xgrammar path found broken in "stop" outputs (2026-12-08): now llguidance's, or 400s
+XGRAMMAR_GAPS = [
+    ({"type": "integer", "allOf": [{"maximum": 3}], "minimum": 0}, None),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False,
+      "allOf": [{"properties": {"a": {"minimum": 0, "maximum": 3}}}]}, None),
+    ({"type": "integer", "multipleOf": 3, "maximum": 1000000}, None),
+    ({"type": "integer", "multipleOf": 5000}, None),
+    ({"type": "object", "properties": {"a": {"$ref": "#/x-defs/n"}}, "required": ["a"], "additionalProperties": False,
+      "x-defs": {"n": {"type": "number", "multipleOf": 0.5, "minimum": 0, "maximum": 5}}}, None),
+    ({"type": "string", "pattern": "^\\t\\n$"}, None),  # (xgrammar wrote the tab and newline raw: no JSON)
+    ({"type": "object", "properties": {"a": {"$ref": "#/foo"}}, "required": ["a"], "additionalProperties": False,
+      "foo": {"type": "array", "uniqueItems": True, "items": {"type": "integer"}}}, "uniqueItems"),
+    ({"type": "string", "pattern": "a^b"}, "pattern"), ({"type": "string", "pattern": "^(?!a)[a-c]$"}, "pattern"),
+    ({"anyOf": []}, "anyOf"), ({"oneOf": []}, "oneOf"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"],
+      "additionalProperties": False}, "required"),
+]
+
+
+@pytest.mark.parametrize("schema, refused", XGRAMMAR_GAPS, ids=[json.dumps(s)[:50] for s, _ in XGRAMMAR_GAPS])
+def test_what_xgrammar_got_wrong_is_enforced_or_refused(llm, schema, refused):
+    if refused is None:
+        assert len(_validated(llm, schema)) >= 4
+        return
+    with pytest.raises(InvalidRequestError, match=refused) as e:
+        llm.generate(["x"], SamplingParams(max_tokens=4, guided=GuidedSpec("json_schema", json.dumps(schema),
+                                                                           "guided_json")))
+    assert e.value.param == "guided_json"
+
+
+def test_xgrammars_json_is_compact_too(llm):
+    """Its separators were ", " and ": " (375 outputs of a fuzz), llguidance's "," and ":"."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "b": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
+              "required": ["a", "b"], "additionalProperties": False}
+    assert len(_validated(llm, schema)) >= 4  # (_validated asserts each is compact)
