@@ -132,7 +132,9 @@ class Llguidance:
             bad = jsonschema.exceptions.best_match(meta.iter_errors(json.loads(schema)))  # ECMA's \p{L} is no re's)
             if bad is not None:
                 raise jsonschema.SchemaError.create_from(bad)
-            grammar = _guarded(llguidance.LLMatcher.grammar_from_json_schema, schema, {"whitespace_flexible": False})
+            # (oneOf as anyOf, as xgrammar takes it: a pattern beside a pydantic discriminated union was a 400)
+            grammar = _guarded(llguidance.LLMatcher.grammar_from_json_schema, schema,
+                               {"whitespace_flexible": False, "coerce_one_of": True})
             start = _guarded(lambda: llguidance.LLMatcher(self._tok(), grammar, log_level=0, limits=_limits()))
             if not start.is_error():  # some errors come with the first mask only (allOf: [{"$ref": "#"}, {}])
                 probe = LlgMatcher(LlgGrammar(start, "", self.stops))

@@ -655,6 +655,14 @@ XGRAMMAR_GAPS = [
     ({"type": "object", "properties": {"a": {"$ref": "#/x-defs/n"}}, "required": ["a"], "additionalProperties": False,
       "x-defs": {"n": {"type": "number", "multipleOf": 0.5, "minimum": 0, "maximum": 5}}}, None),
     ({"type": "string", "pattern": "^\\t\\n$"}, None),  # (xgrammar wrote the tab and newline raw: no JSON)
+    # a pydantic discriminated union with a pattern inside: oneOf taken as anyOf by llguidance too (its branches
+    # are disjoint; llguidance refuses oneOf otherwise, and the pattern sends it there)
+    ({"type": "object", "required": ["pet"], "additionalProperties": False, "properties": {"pet": {
+        "discriminator": {"propertyName": "kind"}, "oneOf": [
+            {"type": "object", "properties": {"kind": {"const": "cat"}, "name": {"type": "string",
+             "pattern": "^[A-Z][a-z]{0,5}$"}}, "required": ["kind", "name"], "additionalProperties": False},
+            {"type": "object", "properties": {"kind": {"const": "dog"}}, "required": ["kind"],
+             "additionalProperties": False}]}}}, None),
     ({"type": "object", "properties": {"a": {"$ref": "#/foo"}}, "required": ["a"], "additionalProperties": False,
       "foo": {"type": "array", "uniqueItems": True, "items": {"type": "integer"}}}, "uniqueItems"),
     ({"type": "string", "pattern": "a^b"}, "pattern"), ({"type": "string", "pattern": "^(?!a)[a-c]$"}, "pattern"),
