@@ -4,7 +4,8 @@ back to it the same way: `has_xgrammar_unsupported_json_features`, then guidance
 The schemas that ordinary client code makes hit xgrammar 0.2.9's gaps: zod's `.email().max(100)`
 and pydantic's `constr(pattern=..., max_length=...)` put a length beside a pattern or format,
 `Field(multiple_of=0.01)` a multipleOf on a number, and pydantic's `$ref` with a description or
-an `allOf` of two models. They were 400s (worker/schema_support.py names why). llguidance
+an `allOf` of two models. They were 400s (worker/schema_support.py names why, and since a fuzz sends
+any `pattern`, `allOf` and more here: xgrammar got those wrong). llguidance
 intersects a pattern with a length, takes multipleOf on numbers, merges allOf and follows a
 `$ref` beside other keywords; what it does not implement (uniqueItems, contains, not, if/then,
 propertyNames, ...) it refuses by name, so such a schema stays a 400 and nothing is dropped.
@@ -30,8 +31,8 @@ from folio.worker.errors import InvalidRequestError
 
 def _limits():
     """llguidance's bounds, tighter where its defaults let one grammar hold much memory: 250,000 lexer
-    states at 1-2 kB each; 10,000 here (~20 MB at most a grammar). Its errors say what broke, not the
-    schema's text."""
+    states at 1-2 kB each by its documentation; 10,000 here. Its errors say what broke, not the schema's
+    text."""
     import llguidance
 
     return llguidance.LLParserLimits(max_lexer_states=10_000, verbose_errors=False)
@@ -39,7 +40,7 @@ def _limits():
 
 def _guarded(fn, *args):
     """fn(*args), a Rust panic in llguidance (pyo3's PanicException, a BaseException that the engine's
-    fault isolation would not catch: it took the step thread) raised as a RuntimeError instead."""
+    fault isolation, `except Exception`, would let through) raised as a RuntimeError instead."""
     try:
         return fn(*args)
     except Exception:
@@ -57,7 +58,7 @@ class LlgGrammar:
         self.start, self.stops = start, stops
         # a cache's figure (guided.Grammars bounds its bytes); llguidance reports none. Measured on SmolLM2:
         # 120 distinct patterns such as ^(a|b|c)*a(a|b|c){12}x7$ beside a maxLength, each used for 3 x 60
-        # tokens, grew the process ~1.1 MB apiece (their lexers' states, shared by a grammar's matchers)
+        # tokens, grew the process ~1.1 MB apiece, and the cache at this figure kept it at +137 MB over 300
         self.memory_size_bytes = 2 * 1024 * 1024 + 64 * len(text)
 
 
