@@ -562,8 +562,10 @@ def roll_the_frontends_with_streams_in_flight(cluster, config: dict, path, ns: s
     assert frontend_nodes(cluster) == [cluster["head"]] * 2
     seen: list[set] = []
     try:
+        # (a scrape queued on an old replica's metrics listener as Serve ends that process is reset: a listener's
+        # close resets its queued connections, a known gap; a clean clone of 2cc1461 met it once here)
         wait_for(lambda: seen.append({requests_counted(metrics) for _ in range(8)}) or seen[-1] == {counted + 6},
-                 20, "every scrape counting the drained requests")
+                 20, "every scrape counting the drained requests", ignore=(ConnectionResetError,))
     except AssertionError as e:
         raise AssertionError(f"{e}: {counted} + 6 wanted, the last scrapes read {seen[-3:]}") from None
 
