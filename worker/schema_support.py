@@ -101,8 +101,8 @@ def _own(node: dict) -> str | None:
         return "'multipleOf' is enforced only as a whole number up to 1024 and without a range"
     if "pattern" in node:
         return "'pattern' is not enforced whole by the grammar engine"
-    if ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
-        return "minLength / maxLength beside a pattern or format are not enforced by the grammar engine"
+    if "format" in node and ("minLength" in node or "maxLength" in node):  # (a pattern goes above)
+        return "minLength / maxLength beside a format are not enforced by the grammar engine"
     if "allOf" in node:
         return "'allOf' is not enforced by the grammar engine"
     if any(node.get(k) == [] for k in ("anyOf", "oneOf")):
